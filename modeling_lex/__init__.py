@@ -1,0 +1,8 @@
+"""LEX Transformer models, registered with AutoModel and AutoModelForCausalLM on import."""
+
+import configuration_lex  # noqa: F401  (registers AutoConfig "lex")
+
+from .cache import LexCache
+from .modeling_lex import LexForCausalLM, LexModel, LexPreTrainedModel
+
+__all__ = ["LexCache", "LexForCausalLM", "LexModel", "LexPreTrainedModel"]

@@ -1,0 +1,309 @@
+"""The LEX Transformer decoder (Sun et al., "A Length-Extrapolatable Transformer") for transformers v5.
+
+Reads top to bottom: feed-forward -> attention -> layer -> model -> causal-LM head. The layer math is
+TorchScale's `DecoderLayer` (pre/post norm, subln, deepnorm), so TorchScale checkpoints convert without loss;
+positions and the attention window live in `xpos.py` and `attention.py`, the bounded cache in `cache.py`.
+"""
+
+import math
+
+import torch
+from torch import nn
+from transformers import AutoModel, AutoModelForCausalLM
+from transformers.cache_utils import Cache
+from transformers.generation import GenerationMixin
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from configuration_lex.configuration_lex import LexConfig
+
+from .attention import AttentionContext, AttentionPlan, build_plan, eager_attention_forward, run_attention
+from .cache import LexCache
+from .xpos import sinusoidal_embedding
+
+ACTIVATIONS = {"gelu": nn.functional.gelu, "relu": nn.functional.relu, "swish": nn.functional.silu}
+
+
+class LexMLP(nn.Module):
+    """fc1 -> activation (in float32, as TorchScale) -> [sub-LayerNorm] -> fc2."""
+
+    def __init__(self, config: LexConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.ffn_layernorm = (
+            nn.LayerNorm(config.intermediate_size, eps=config.layer_norm_eps) if config.subln else None
+        )
+        self.act = ACTIVATIONS[config.hidden_act]
+        self.activation_dropout = nn.Dropout(config.activation_dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.fc1(x)
+        hidden = self.activation_dropout(self.act(hidden.float()).type_as(hidden))
+        if self.ffn_layernorm is not None:
+            hidden = self.ffn_layernorm(hidden)
+        return self.fc2(hidden)
+
+
+class LexAttention(nn.Module):
+    """Multi-head self-attention; positions and the window come from the forward's `AttentionPlan`."""
+
+    def __init__(self, config: LexConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.scaling = self.head_dim**-0.5
+        self.is_causal = True
+        size = config.hidden_size
+        self.q_proj = nn.Linear(size, size, bias=config.attention_bias)
+        self.k_proj = nn.Linear(size, size, bias=config.attention_bias)
+        self.v_proj = nn.Linear(size, size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(size, size, bias=config.attention_bias)
+        self.inner_attn_ln = nn.LayerNorm(size, eps=config.layer_norm_eps) if config.subln else None
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        plan: AttentionPlan,
+        past_key_values: Cache | None = None,
+        cache_keep: int | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        batch, length, _ = hidden_states.shape
+        shape = (batch, length, self.num_heads, self.head_dim)
+        query = self.q_proj(hidden_states).view(shape).transpose(1, 2)
+        key = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+        value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        cached = 0
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx, keep=cache_keep)
+            cached = key.shape[2] - length
+        dropout = self.config.attention_dropout if self.training else 0.0
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        output, weights = run_attention(self, interface, query, key, value, plan, cached, dropout)
+        output = output.reshape(batch, length, -1)
+        if self.inner_attn_ln is not None:
+            output = self.inner_attn_ln(output)
+        return self.o_proj(output), weights
+
+
+class LexDecoderLayer(GradientCheckpointingLayer):
+    """TorchScale's DecoderLayer: pre- or post-norm residual blocks, residual scaled by alpha under deepnorm."""
+
+    def __init__(self, config: LexConfig, layer_idx: int):
+        super().__init__()
+        self.normalize_before = config.normalize_before
+        self.alpha = math.pow(2.0 * config.num_hidden_layers, 0.25) if config.deepnorm else 1.0
+        self.self_attn = LexAttention(config, layer_idx)
+        self.self_attn_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.mlp = LexMLP(config)
+        self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def _residual(self, x: torch.Tensor, sublayer, norm: nn.LayerNorm, **kwargs) -> torch.Tensor:
+        out = sublayer(norm(x) if self.normalize_before else x, **kwargs)
+        if isinstance(out, tuple):
+            out = out[0]
+        out = x * self.alpha + self.dropout(out)
+        return out if self.normalize_before else norm(out)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        plan: AttentionPlan,
+        past_key_values: Cache | None = None,
+        cache_keep: int | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        hidden_states = self._residual(
+            hidden_states,
+            self.self_attn,
+            self.self_attn_layer_norm,
+            plan=plan,
+            past_key_values=past_key_values,
+            cache_keep=cache_keep,
+            **kwargs,
+        )
+        return self._residual(hidden_states, self.mlp, self.final_layer_norm)
+
+
+class LexPreTrainedModel(PreTrainedModel):
+    config: LexConfig
+    config_class = LexConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["LexDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _supports_attention_backend = True
+    _can_record_outputs = {"hidden_states": LexDecoderLayer, "attentions": LexAttention}
+
+
+class LexModel(LexPreTrainedModel):
+    def __init__(self, config: LexConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layernorm_embedding = (
+            nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if config.layernorm_embedding else None
+        )
+        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.layers = nn.ModuleList([LexDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if config.normalize_before else None
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def _context(
+        self,
+        batch: int,
+        length: int,
+        device: torch.device,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        past_key_values: Cache | None,
+    ) -> tuple[AttentionContext, int | None]:
+        """Positions, padding and cached keys of this forward; `keep` tells a LexCache what to hold on to."""
+        seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if attention_mask is not None and (
+            attention_mask.dim() != 2
+            or attention_mask.shape[0] != batch
+            or attention_mask.shape[1] not in (length, seen + length)
+        ):
+            raise ValueError(
+                f"attention_mask must have shape ({batch}, {length}) or ({batch}, {seen + length}) "
+                f"(new tokens, or past and new), got {tuple(attention_mask.shape)}"
+            )
+        mask = None if attention_mask is None else attention_mask.to(device=device, dtype=torch.bool)
+        if mask is None:
+            mask = torch.ones(batch, length, dtype=torch.bool, device=device)
+        new_valid = mask[:, -length:]
+        if position_ids is None:
+            if mask.shape[1] == seen + length:
+                position_ids = (mask.long().cumsum(-1) - 1).masked_fill(~mask, 1)[:, -length:]
+            else:
+                position_ids = torch.arange(seen, seen + length, device=device).expand(batch, length)
+        position_ids = position_ids.to(device).expand(batch, length)
+
+        if isinstance(past_key_values, LexCache):
+            return past_key_values.extend(position_ids, new_valid)
+        # Any other Cache holds every past key: they are contiguous before the first new position.
+        past_positions = position_ids[:, :1] - seen + torch.arange(seen, device=device)
+        past_valid = mask[:, :seen] if mask.shape[1] == seen + length else new_valid.new_ones(batch, seen)
+        key_positions = torch.cat([past_positions, position_ids], dim=1)
+        key_valid = torch.cat([past_valid, new_valid], dim=1)
+        origin = torch.where(key_valid.any(1), key_valid.int().argmax(1), key_valid.shape[1])
+        return AttentionContext(position_ids, key_positions, key_valid, origin, seen, seen), None
+
+    def embed(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, positions: torch.Tensor):
+        """TorchScale's forward_embedding: scale, [absolute sinusoidal positions], [LayerNorm], dropout."""
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        hidden = inputs_embeds * self.config.embedding_scale
+        if self.config.absolute_position_embedding == "sinusoidal":
+            table = sinusoidal_embedding(positions + self.config.absolute_position_offset, self.config.hidden_size)
+            hidden = hidden + table.to(hidden.dtype)
+        if self.layernorm_embedding is not None:
+            hidden = self.layernorm_embedding(hidden)
+        return self.dropout(hidden)
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        reference = input_ids if input_ids is not None else inputs_embeds
+        if reference.shape[1] == 0:
+            raise ValueError("the input is empty: input_ids/inputs_embeds must hold at least one token")
+        if use_cache and past_key_values is None:
+            past_key_values = LexCache(self.config)
+        ctx, keep = self._context(
+            *reference.shape[:2], self.embed_tokens.weight.device, attention_mask, position_ids, past_key_values
+        )
+        plan = build_plan(self.config, ctx)
+        hidden_states = self.embed(input_ids, inputs_embeds, ctx.query_positions)
+        for layer in self.layers:
+            hidden_states = layer(
+                hidden_states, plan=plan, past_key_values=past_key_values, cache_keep=keep, **kwargs
+            )
+        if self.norm is not None:
+            hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+
+
+class LexForCausalLM(LexPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: LexConfig):
+        super().__init__(config)
+        self.model = LexModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """generate() gets a LexCache (bounded in blockwise/sliding modes) unless the caller passed a cache."""
+        wants_default = (
+            model_kwargs.get("past_key_values") is None
+            and generation_config.use_cache is not False
+            and generation_config.cache_implementation in (None, "dynamic")
+        )
+        if wants_default:
+            model_kwargs["past_key_values"] = LexCache(self.config)
+            return
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        outputs: BaseModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+AutoModel.register(LexConfig, LexModel, exist_ok=True)
+AutoModelForCausalLM.register(LexConfig, LexForCausalLM, exist_ok=True)
+
+__all__ = ["LexPreTrainedModel", "LexModel", "LexForCausalLM"]

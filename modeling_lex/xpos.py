@@ -1,0 +1,102 @@
+"""Position encodings: xPos, RoPE, decay-only (xPos without rotation), ALiBi, fairseq sinusoidal.
+
+xPos follows TorchScale's `XPOS` exactly: pairs are interleaved (dims 2i and 2i+1), theta_i = base^(-2i/d),
+zeta_i = (2i + gamma*d) / ((1+gamma)*d), queries are scaled by zeta^(m/B) and keys by zeta^(-n/B), so the score
+depends on m - n only. Callers pass positions *relative to an anchor inside the current attention window*
+(never absolute ones): angles are built in float64 and powers in float32 from integers, so the factors stay
+exact and finite at any absolute position and in any dtype.
+"""
+
+import math
+
+import torch
+
+
+def inverse_frequencies(head_dim: int, base: float, device: torch.device) -> torch.Tensor:
+    """theta_i = base^(-2i/d) for i < d/2, in float64."""
+    return base ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
+
+
+def xpos_zeta(head_dim: int, gamma: float, device: torch.device) -> torch.Tensor:
+    """zeta_i = (2i + gamma*d) / ((1 + gamma)*d): TorchScale's `xpos.scale` buffer for gamma = 0.4."""
+    two_i = torch.arange(0, head_dim, 2, device=device, dtype=torch.float64)
+    return (two_i + gamma * head_dim) / ((1.0 + gamma) * head_dim)
+
+
+def rotary_factors(
+    relative_positions: torch.Tensor,
+    head_dim: int,
+    *,
+    rotate: bool,
+    decay: bool,
+    theta: float,
+    gamma: float,
+    scale_base: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-position factors (cos_q, sin_q, cos_k, sin_k), each `relative_positions.shape + (head_dim,)`, float32.
+
+    A query x at relative position m becomes x*cos_q + rotate_every_two(x)*sin_q; keys alike with the k factors.
+    The xPos scale zeta^(+-m/B) is folded into the factors, so applying them costs what plain RoPE costs.
+    """
+    device = relative_positions.device
+    positions = relative_positions.to(torch.float64)[..., None]
+    if rotate:
+        angles = positions * inverse_frequencies(head_dim, theta, device)
+        cos, sin = angles.cos(), angles.sin()
+    else:
+        cos = torch.ones(positions.shape[:-1] + (head_dim // 2,), dtype=torch.float64, device=device)
+        sin = torch.zeros_like(cos)
+    if decay:
+        log_scale = positions * (xpos_zeta(head_dim, gamma, device).log() / scale_base)
+        q_scale, k_scale = log_scale.exp(), (-log_scale).exp()
+    else:
+        q_scale = k_scale = 1.0
+    factors = (cos * q_scale, sin * q_scale, cos * k_scale, sin * k_scale)
+    return tuple(f.to(torch.float32).repeat_interleave(2, dim=-1) for f in factors)
+
+
+def rotate_every_two(x: torch.Tensor) -> torch.Tensor:
+    """(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...): the interleaved pair rotation of TorchScale."""
+    pairs = x.unflatten(-1, (-1, 2))
+    return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (and scale) x with factors from `rotary_factors`; the product is taken in float32."""
+    out = x.float() * cos + rotate_every_two(x.float()) * sin
+    return out.to(x.dtype)
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """The ALiBi paper's head slopes: a geometric sequence 2^(-8/n), interleaved for non-powers of two."""
+
+    def power_of_two(n: int) -> list[float]:
+        start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+        return [start * start**i for i in range(n)]
+
+    if math.log2(num_heads).is_integer():
+        slopes = power_of_two(num_heads)
+    else:
+        closest = 2 ** math.floor(math.log2(num_heads))
+        slopes = power_of_two(closest) + power_of_two(2 * closest)[0::2][: num_heads - closest]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def alibi_bias(query_positions: torch.Tensor, key_positions: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """-slope_h * (m - n) for every query m and key n: shape `(..., heads, queries, keys)`, float32."""
+    distance = (query_positions[..., :, None] - key_positions[..., None, :]).to(torch.float32)
+    slopes = alibi_slopes(num_heads).to(distance.device)
+    return -slopes[:, None, None] * distance.unsqueeze(-3)
+
+
+def sinusoidal_embedding(positions: torch.Tensor, dim: int) -> torch.Tensor:
+    """fairseq's SinusoidalPositionalEmbedding table rows: [sin(p*f) | cos(p*f)], f_j = 10000^(-j/(dim/2-1))."""
+    half = dim // 2
+    frequencies = torch.exp(
+        torch.arange(half, dtype=torch.float64, device=positions.device) * -(math.log(10000.0) / (half - 1))
+    )
+    angles = positions.to(torch.float64)[..., None] * frequencies
+    table = torch.cat([angles.sin(), angles.cos()], dim=-1)
+    if dim % 2:
+        table = torch.nn.functional.pad(table, (0, 1))
+    return table.to(torch.float32)

@@ -1,0 +1,116 @@
+"""A naive O(n^2) LEX forward in float64, written from the paper and DESIGN.md, independent of modeling_lex.
+
+Absolute positions, an explicit n x n mask per mode, explicit per-head loops: slow and simple on purpose.
+It reads the weights of a LexForCausalLM state dict by name.
+"""
+
+import math
+
+import torch
+
+
+def _rotate_every_two(x):
+    out = torch.empty_like(x)
+    out[..., 0::2] = -x[..., 1::2]
+    out[..., 1::2] = x[..., 0::2]
+    return out
+
+
+def encode(x, positions, kind, theta=10000.0, gamma=0.4, scale_base=512.0, downscale=False):
+    """x: (n, d) float64 at absolute integer positions (n,). xPos/RoPE/decay with interleaved pairs."""
+    d = x.shape[-1]
+    i = torch.arange(d // 2, dtype=torch.float64)
+    angle = positions[:, None].double() * theta ** (-2 * i / d)
+    zeta = (2 * i + gamma * d) / ((1 + gamma) * d)
+    scale = zeta ** (positions[:, None].double() / scale_base)
+    if downscale:
+        scale = 1 / scale
+    if kind == "rope":
+        scale = torch.ones_like(scale)
+    if kind == "decay":
+        angle = torch.zeros_like(angle)
+    cos = (angle.cos() * scale).repeat_interleave(2, -1)
+    sin = (angle.sin() * scale).repeat_interleave(2, -1)
+    return x * cos + _rotate_every_two(x) * sin
+
+
+def alibi_slopes(h):
+    def p2(n):
+        start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+        return [start * start**k for k in range(n)]
+
+    if math.log2(h).is_integer():
+        return p2(h)
+    c = 2 ** math.floor(math.log2(h))
+    return p2(c) + p2(2 * c)[0::2][: h - c]
+
+
+def visible(mode, window, n, pad):
+    """n x n bool: may query i see key j (indices in a row whose first `pad` tokens are padding)."""
+    allowed = torch.zeros(n, n, dtype=torch.bool)
+    b = window // 2
+    for i in range(n):
+        for j in range(i + 1):
+            if j < pad:
+                continue
+            if mode == "sliding" and i - j >= window:
+                continue
+            if mode == "blockwise" and (j - pad) // b < (i - pad) // b - 1:
+                continue
+            allowed[i, j] = True
+        if i < pad:
+            allowed[i, i] = True
+    return allowed
+
+
+def forward(state, config, input_ids, pad=0, positions=None):
+    """Logits (n, vocab) of one row; the first `pad` tokens are padding (masked as keys)."""
+    sd = {k: v.double() for k, v in state.items()}
+    n = input_ids.shape[0]
+    h, d = config.num_attention_heads, config.hidden_size // config.num_attention_heads
+    if positions is None:
+        positions = torch.clamp(torch.arange(n) - pad, min=0)
+    act = {"gelu": torch.nn.functional.gelu, "relu": torch.relu, "swish": torch.nn.functional.silu}[config.hidden_act]
+    ln = lambda x, p: torch.nn.functional.layer_norm(x, x.shape[-1:], sd[p + ".weight"], sd[p + ".bias"], config.layer_norm_eps)
+    lin = lambda x, p: x @ sd[p + ".weight"].T + (sd[p + ".bias"] if p + ".bias" in sd else 0)
+    x = sd["model.embed_tokens.weight"][input_ids] * config.embedding_scale
+    if config.layernorm_embedding:
+        x = ln(x, "model.layernorm_embedding")
+    allowed = visible(config.attention_mode, config.attention_window, n, pad)
+    alpha = (2 * config.num_hidden_layers) ** 0.25 if config.deepnorm else 1.0
+    for layer in range(config.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        residual = x
+        y = ln(x, p + "self_attn_layer_norm") if config.normalize_before else x
+        q, k, v = (lin(y, p + f"self_attn.{name}_proj") for name in "qkv")
+        heads = []
+        for head in range(h):
+            sl = slice(head * d, (head + 1) * d)
+            qh, kh, vh = q[:, sl], k[:, sl], v[:, sl]
+            kind = config.position_embedding_type
+            if kind in ("xpos", "rope", "decay"):
+                qh = encode(qh, positions, kind, config.rope_theta, config.xpos_gamma, config.xpos_scale_base)
+                kh = encode(kh, positions, kind, config.rope_theta, config.xpos_gamma, config.xpos_scale_base, True)
+            scores = qh @ kh.T / math.sqrt(d)
+            if kind == "alibi":
+                scores = scores - alibi_slopes(h)[head] * (positions[:, None] - positions[None, :]).double()
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            heads.append(torch.softmax(scores, -1) @ vh)
+        attn = torch.cat(heads, -1)
+        if config.subln:
+            attn = ln(attn, p + "self_attn.inner_attn_ln")
+        x = residual * alpha + lin(attn, p + "self_attn.o_proj")
+        if not config.normalize_before:
+            x = ln(x, p + "self_attn_layer_norm")
+        residual = x
+        y = ln(x, p + "final_layer_norm") if config.normalize_before else x
+        y = act(lin(y, p + "mlp.fc1"))
+        if config.subln:
+            y = ln(y, p + "mlp.ffn_layernorm")
+        x = residual * alpha + lin(y, p + "mlp.fc2")
+        if not config.normalize_before:
+            x = ln(x, p + "final_layer_norm")
+    if config.normalize_before:
+        x = ln(x, "model.norm")
+    head = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
+    return x @ head.T
