@@ -7,7 +7,7 @@ biases, an optional fairseq sinusoidal absolute embedding) are here so that ever
 
 from transformers import PreTrainedConfig
 
-POSITION_EMBEDDING_TYPES = ("xpos", "rope", "decay", "alibi", "none")
+POSITION_EMBEDDING_TYPES = ("xpos", "rope", "decay", "alibi", "kerple", "sandwich", "sinusoidal", "none")
 ATTENTION_MODES = ("blockwise", "sliding", "full")
 HIDDEN_ACTS = ("gelu", "relu", "swish")
 ABSOLUTE_POSITION_EMBEDDINGS = (None, "sinusoidal")
@@ -21,7 +21,9 @@ class LexConfig(PreTrainedConfig):
         max_position_embeddings: the training length l. Inputs may be far longer: blockwise and sliding
             attention only ever look at `attention_window` keys.
         position_embedding_type: "xpos" (default, the paper's), "rope", "decay" (xPos without rotation),
-            "alibi" or "none" (no position information; TorchScale decoders without xpos).
+            "alibi", "kerple" (log variant, learned per head), "sandwich" (sinusoidal inner-product bias),
+            "sinusoidal" (absolute, fairseq's table added to the embeddings: the paper's "Transformer" row) or
+            "none" (no position information; TorchScale decoders without xpos).
         attention_mode: "blockwise" (BCA: blocks of `attention_window // 2`, a query sees its block and
             the previous one), "sliding" (the last `attention_window` keys) or "full".
         attention_window: w; defaults to `max_position_embeddings`. Must be even and at least 4.
@@ -32,6 +34,7 @@ class LexConfig(PreTrainedConfig):
         deepnorm: DeepNet residual scaling alpha = (2N)^(1/4) with post-norm.
         layernorm_embedding: a LayerNorm on the scaled embeddings.
         embedding_scale: multiplier of the token embeddings (TorchScale: 1 or sqrt(hidden_size)).
+        sandwich_dim: d' of the sinusoidal vectors whose inner products make the Sandwich bias.
         absolute_position_embedding: None, or "sinusoidal" for fairseq's sinusoidal table added to the
             token embeddings (fairseq-trained TorchScale LMs); positions start at
             `absolute_position_offset` (fairseq: padding_idx + 1).
@@ -53,6 +56,7 @@ class LexConfig(PreTrainedConfig):
     xpos_scale_base: float = 512.0
     xpos_gamma: float = 0.4
     rope_theta: float = 10000.0
+    sandwich_dim: int = 128
     layer_norm_eps: float = 1e-5
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
@@ -102,7 +106,7 @@ class LexConfig(PreTrainedConfig):
         allowed("hidden_act", self.hidden_act, HIDDEN_ACTS)
         allowed("absolute_position_embedding", self.absolute_position_embedding, ABSOLUTE_POSITION_EMBEDDINGS)
         for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                      "num_attention_heads", "max_position_embeddings", "xpos_scale_base", "rope_theta",
+                      "num_attention_heads", "max_position_embeddings", "xpos_scale_base", "rope_theta", "sandwich_dim",
                       "layer_norm_eps", "embedding_scale"):
             positive(field, getattr(self, field))
         if self.hidden_size % self.num_attention_heads:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .xpos import alibi_bias, apply_rotary, rotary_factors
+from .xpos import alibi_bias, apply_rotary, rotary_factors, sandwich_bias
 
 
 @dataclass
@@ -47,7 +47,8 @@ class Tile:
     key_slice: slice  # which keys (dense) / ignored (unfolded)
     factors: tuple[torch.Tensor, ...] | None  # cos_q, sin_q, cos_k, sin_k in the tile's layout
     mask: torch.Tensor | None  # bool, True = may attend; None = plain causal
-    bias: torch.Tensor | None  # additive float bias (ALiBi), tile layout
+    bias: torch.Tensor | None  # fixed additive float bias (ALiBi, Sandwich), tile layout
+    distance: torch.Tensor | None = None  # query-minus-key position, for biases the layers learn (KERPLE)
     unfold: tuple[int, int] | None = None  # (chunk c, left context L) for unfolded tiles
 
 
@@ -70,9 +71,9 @@ def _block_rule(mode: str, window: int, q_index: torch.Tensor, k_index: torch.Te
 
 
 def _position_terms(config, q_rel: torch.Tensor, k_rel: torch.Tensor):
-    """Rotary factors and/or ALiBi bias for relative query/key positions of one tile layout."""
+    """Rotary factors, a fixed bias, or distances for a learned bias, from relative positions of one tile."""
     kind = config.position_embedding_type
-    factors = bias = None
+    factors = bias = distance = None
     if kind in ("xpos", "rope", "decay"):
         common = dict(
             rotate=kind != "decay",
@@ -84,16 +85,20 @@ def _position_terms(config, q_rel: torch.Tensor, k_rel: torch.Tensor):
         cos_q, sin_q, _, _ = rotary_factors(q_rel, config.head_dim, **common)
         _, _, cos_k, sin_k = rotary_factors(k_rel, config.head_dim, **common)
         factors = (cos_q, sin_q, cos_k, sin_k)
-    elif kind == "alibi":
-        bias = alibi_bias(q_rel, k_rel, config.num_attention_heads)
-    return factors, bias
+    elif kind in ("alibi", "sandwich", "kerple"):
+        distance = q_rel[..., :, None] - k_rel[..., None, :]
+        if kind == "alibi":
+            bias, distance = alibi_bias(distance, config.num_attention_heads), None
+        elif kind == "sandwich":
+            bias, distance = sandwich_bias(distance, config.num_attention_heads, config.sandwich_dim), None
+    return factors, bias, distance
 
 
 def _dense_tile(config, ctx: AttentionContext, queries: slice, keys: slice, causal_only: bool) -> Tile:
     anchor = ctx.query_positions[:, queries.start : queries.start + 1]
     q_rel = ctx.query_positions[:, queries] - anchor
     k_rel = ctx.key_positions[:, keys] - anchor
-    factors, bias = _position_terms(config, q_rel, k_rel)
+    factors, bias, distance = _position_terms(config, q_rel, k_rel)
     if factors is not None:
         factors = tuple(f.unsqueeze(1) for f in factors)  # broadcast over heads
     mask = None
@@ -105,7 +110,7 @@ def _dense_tile(config, ctx: AttentionContext, queries: slice, keys: slice, caus
         )
         mask = (rule & ctx.key_valid[:, None, keys]) | (q_index[:, None] == k_index[None, :])
         mask = mask.unsqueeze(1)
-    return Tile(queries, keys, factors, mask, bias)
+    return Tile(queries, keys, factors, mask, bias, distance)
 
 
 def _unfolded_tile(config, ctx: AttentionContext, total: int) -> Tile:
@@ -132,18 +137,20 @@ def _unfolded_tile(config, ctx: AttentionContext, total: int) -> Tile:
     q_pos = ctx.query_positions[:, q_slot]  # (B, n_chunks, chunk)
     anchor = q_pos[:, :, :1]
     k_pos = torch.where(exists, ctx.key_positions[:, slot], anchor)
-    factors, bias = _position_terms(config, q_pos - anchor, k_pos - anchor)
+    factors, bias, distance = _position_terms(config, q_pos - anchor, k_pos - anchor)
     if factors is not None:
         factors = tuple(f.flatten(0, 1).unsqueeze(1) for f in factors)  # (B*chunks, 1, len, d)
     if bias is not None:
         bias = bias.flatten(0, 1)
+    if distance is not None:
+        distance = distance.flatten(0, 1)
 
     origin = ctx.origin[:, None, None, None]
     rule = _block_rule(config.attention_mode, config.attention_window, q_index[:, :, None], k_index[:, None, :], origin)
     valid = (ctx.key_valid[:, slot] & exists)[:, :, None, :]
     diagonal = q_index[:, :, None] == k_index[:, None, :]
     mask = ((rule & valid) | diagonal).flatten(0, 1).unsqueeze(1)  # (B*chunks, 1, chunk, span)
-    return Tile(slice(0, total), slice(None), factors, mask, bias, unfold=(chunk, left))
+    return Tile(slice(0, total), slice(None), factors, mask, bias, distance, unfold=(chunk, left))
 
 
 def build_plan(config, ctx: AttentionContext) -> AttentionPlan:
@@ -236,7 +243,8 @@ def run_attention(
         if tile.factors is not None:
             cos_q, sin_q, cos_k, sin_k = tile.factors
             q, k = apply_rotary(q, cos_q, sin_q), apply_rotary(k, cos_k, sin_k)
-        bias = None if tile.bias is None else tile.bias.to(q.dtype)
+        bias = tile.bias if tile.distance is None else module.learned_bias(tile.distance)
+        bias = None if bias is None else bias.to(q.dtype)
         out, tile_weights = interface(
             module, q, k, v, tile.mask, dropout=dropout, scaling=module.scaling, position_bias=bias, is_causal=True
         )

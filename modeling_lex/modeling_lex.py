@@ -10,20 +10,23 @@ import math
 import torch
 from torch import nn
 from transformers import AutoModel, AutoModelForCausalLM
+from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
 from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
+from transformers.utils import logging
 from transformers.utils.output_capturing import capture_outputs
 
 from configuration_lex.configuration_lex import LexConfig
 
 from .attention import AttentionContext, AttentionPlan, build_plan, eager_attention_forward, run_attention
 from .cache import LexCache
-from .xpos import sinusoidal_embedding
+from .xpos import kerple_log_bias, sinusoidal_embedding
 
+logger = logging.get_logger(__name__)
 ACTIVATIONS = {"gelu": nn.functional.gelu, "relu": nn.functional.relu, "swish": nn.functional.silu}
 
 
@@ -65,6 +68,13 @@ class LexAttention(nn.Module):
         self.v_proj = nn.Linear(size, size, bias=config.attention_bias)
         self.o_proj = nn.Linear(size, size, bias=config.attention_bias)
         self.inner_attn_ln = nn.LayerNorm(size, eps=config.layer_norm_eps) if config.subln else None
+        if config.position_embedding_type == "kerple":
+            self.kerple_r1 = nn.Parameter(torch.empty(self.num_heads))
+            self.kerple_r2 = nn.Parameter(torch.empty(self.num_heads))
+
+    def learned_bias(self, distance: torch.Tensor) -> torch.Tensor:
+        """This layer's KERPLE bias for query-minus-key distances (tile layout)."""
+        return kerple_log_bias(distance, self.kerple_r1, self.kerple_r2)
 
     def forward(
         self,
@@ -145,6 +155,13 @@ class LexPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
     _can_record_outputs = {"hidden_states": LexDecoderLayer, "attentions": LexAttention}
 
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, LexAttention) and hasattr(module, "kerple_r1"):
+            init.uniform_(module.kerple_r1, 0.0, 2.0)  # the KERPLE paper's initialisation
+            init.uniform_(module.kerple_r2, 0.0, 1.0)
+
 
 class LexModel(LexPreTrainedModel):
     def __init__(self, config: LexConfig):
@@ -206,7 +223,13 @@ class LexModel(LexPreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         hidden = inputs_embeds * self.config.embedding_scale
-        if self.config.absolute_position_embedding == "sinusoidal":
+        if "sinusoidal" in (self.config.absolute_position_embedding, self.config.position_embedding_type):
+            if self.config.position_embedding_type == "sinusoidal" and positions.max() >= self.config.max_position_embeddings:
+                logger.warning_once(
+                    "sinusoidal (absolute) positions beyond the training length max_position_embeddings="
+                    f"{self.config.max_position_embeddings} were never seen in training; blockwise and sliding "
+                    "attention limit which keys a query sees, not the positions it is given"
+                )
             table = sinusoidal_embedding(positions + self.config.absolute_position_offset, self.config.hidden_size)
             hidden = hidden + table.to(hidden.dtype)
         if self.layernorm_embedding is not None:

@@ -1,4 +1,4 @@
-"""Position encodings: xPos, RoPE, decay-only (xPos without rotation), ALiBi, fairseq sinusoidal.
+"""Position encodings: xPos, RoPE, decay-only (xPos without rotation), ALiBi, KERPLE, Sandwich, sinusoidal.
 
 xPos follows TorchScale's `XPOS` exactly: pairs are interleaved (dims 2i and 2i+1), theta_i = base^(-2i/d),
 zeta_i = (2i + gamma*d) / ((1+gamma)*d), queries are scaled by zeta^(m/B) and keys by zeta^(-n/B), so the score
@@ -82,11 +82,28 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
-def alibi_bias(query_positions: torch.Tensor, key_positions: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """-slope_h * (m - n) for every query m and key n: shape `(..., heads, queries, keys)`, float32."""
-    distance = (query_positions[..., :, None] - key_positions[..., None, :]).to(torch.float32)
+def alibi_bias(distance: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """-slope_h * (m - n) from query-minus-key distances `(..., queries, keys)` -> `(..., heads, queries, keys)`."""
     slopes = alibi_slopes(num_heads).to(distance.device)
-    return -slopes[:, None, None] * distance.unsqueeze(-3)
+    return -slopes[:, None, None] * distance.unsqueeze(-3).float()
+
+
+def kerple_log_bias(distance: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor) -> torch.Tensor:
+    """KERPLE (log variant): -r1_h * log(1 + r2_h * |m - n|), r1, r2 > 0 learned per head."""
+    r1, r2 = r1.clamp(min=1e-2)[:, None, None], r2.clamp(min=1e-2)[:, None, None]
+    return -r1 * torch.log1p(r2 * distance.unsqueeze(-3).abs().float())
+
+
+def sandwich_bias(distance: torch.Tensor, num_heads: int, dim: int) -> torch.Tensor:
+    """Sandwich: the inner product p_m . p_n of d'-dim sinusoidal vectors, sum_i cos((m-n) w_i), w_i = 10000^(-2i/d').
+
+    Shifted by -d'/2 (softmax ignores it; the bias is then <= 0) and divided per head by 8h/H, ALiBi-like, as
+    the Sandwich paper does. On average it falls with |m - n|.
+    """
+    frequencies = 10000.0 ** (-torch.arange(1, dim // 2 + 1, dtype=torch.float64, device=distance.device) * 2 / dim)
+    inner = torch.cos(distance.to(torch.float64)[..., None] * frequencies).sum(-1) - dim / 2
+    heads = torch.arange(1, num_heads + 1, dtype=torch.float64, device=distance.device)
+    return (inner.unsqueeze(-3) / (heads * 8 / num_heads)[:, None, None]).float()
 
 
 def sinusoidal_embedding(positions: torch.Tensor, dim: int) -> torch.Tensor:

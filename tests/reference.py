@@ -45,6 +45,25 @@ def alibi_slopes(h):
     return p2(c) + p2(2 * c)[0::2][: h - c]
 
 
+def sandwich(positions, heads, dim):
+    """(heads, n, n): (p_m . p_n - d'/2) / (8h/H) with p = [sin(m w_i), cos(m w_i)], w_i = 10000^(-2i/d')."""
+    w = 10000.0 ** (-2 * torch.arange(1, dim // 2 + 1, dtype=torch.float64) / dim)
+    angles = positions[:, None].double() * w
+    p = torch.cat([angles.sin(), angles.cos()], dim=-1)
+    inner = p @ p.T - dim / 2
+    return torch.stack([inner / (8 * h / heads) for h in range(1, heads + 1)])
+
+
+def fairseq_sinusoidal(positions, dim):
+    """fairseq's SinusoidalPositionalEmbedding rows, written from its definition."""
+    half = dim // 2
+    rows = []
+    for pos in positions.tolist():
+        f = [math.exp(-j * math.log(10000.0) / (half - 1)) for j in range(half)]
+        rows.append([math.sin(pos * x) for x in f] + [math.cos(pos * x) for x in f] + [0.0] * (dim % 2))
+    return torch.tensor(rows, dtype=torch.float64)
+
+
 def visible(mode, window, n, pad):
     """n x n bool: may query i see key j (indices in a row whose first `pad` tokens are padding)."""
     allowed = torch.zeros(n, n, dtype=torch.bool)
@@ -74,6 +93,8 @@ def forward(state, config, input_ids, pad=0, positions=None):
     ln = lambda x, p: torch.nn.functional.layer_norm(x, x.shape[-1:], sd[p + ".weight"], sd[p + ".bias"], config.layer_norm_eps)
     lin = lambda x, p: x @ sd[p + ".weight"].T + (sd[p + ".bias"] if p + ".bias" in sd else 0)
     x = sd["model.embed_tokens.weight"][input_ids] * config.embedding_scale
+    if "sinusoidal" in (config.position_embedding_type, config.absolute_position_embedding):
+        x = x + fairseq_sinusoidal(positions + config.absolute_position_offset, config.hidden_size)
     if config.layernorm_embedding:
         x = ln(x, "model.layernorm_embedding")
     allowed = visible(config.attention_mode, config.attention_window, n, pad)
@@ -92,8 +113,15 @@ def forward(state, config, input_ids, pad=0, positions=None):
                 qh = encode(qh, positions, kind, config.rope_theta, config.xpos_gamma, config.xpos_scale_base)
                 kh = encode(kh, positions, kind, config.rope_theta, config.xpos_gamma, config.xpos_scale_base, True)
             scores = qh @ kh.T / math.sqrt(d)
+            distance = (positions[:, None] - positions[None, :]).double()
             if kind == "alibi":
-                scores = scores - alibi_slopes(h)[head] * (positions[:, None] - positions[None, :]).double()
+                scores = scores - alibi_slopes(h)[head] * distance
+            if kind == "kerple":
+                r1 = sd[p + "self_attn.kerple_r1"][head].clamp(min=1e-2)
+                r2 = sd[p + "self_attn.kerple_r2"][head].clamp(min=1e-2)
+                scores = scores - r1 * torch.log(1 + r2 * distance.abs())
+            if kind == "sandwich":
+                scores = scores + sandwich(positions, h, config.sandwich_dim)[head]
             scores = scores.masked_fill(~allowed, float("-inf"))
             heads.append(torch.softmax(scores, -1) @ vh)
         attn = torch.cat(heads, -1)

@@ -113,7 +113,7 @@ MODES = ["blockwise", "sliding", "full"]
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("kind", ["xpos", "rope", "decay", "alibi"])
+@pytest.mark.parametrize("kind", ["xpos", "rope", "decay", "alibi", "kerple", "sandwich", "sinusoidal", "none"])
 @pytest.mark.parametrize("n", [5, 16, 27, 88])  # < w, = w, not a multiple of the block, 5.5 w
 def test_modes_equal_naive_reference(mode, kind, n):
     config = tiny_config(attention_mode=mode, position_embedding_type=kind, num_attention_heads=4)
@@ -160,10 +160,14 @@ def test_modes_agree_up_to_window(n):
 
 
 @pytest.mark.parametrize("mode", ["blockwise", "sliding"])
-def test_one_layer_window_equals_full_forward_over_visible_keys(mode):
-    config = tiny_config(attention_mode=mode, num_hidden_layers=1)
+@pytest.mark.parametrize("kind", ["xpos", "alibi", "kerple", "sandwich"])
+def test_one_layer_window_equals_full_forward_over_visible_keys(mode, kind):
+    config = tiny_config(attention_mode=mode, num_hidden_layers=1, position_embedding_type=kind)
     model = perturbed_model(config, seed=2)
-    full = perturbed_model(tiny_config(attention_mode="full", num_hidden_layers=1, max_position_embeddings=64), seed=2)
+    full = perturbed_model(
+        tiny_config(attention_mode="full", num_hidden_layers=1, max_position_embeddings=64, position_embedding_type=kind),
+        seed=2,
+    )
     full.load_state_dict(model.state_dict())
     torch.manual_seed(4)
     ids = torch.randint(0, config.vocab_size, (1, 70))
@@ -190,7 +194,7 @@ def test_one_layer_reads_131072_tokens_blockwise():
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("kind", ["xpos", "rope", "alibi"])
+@pytest.mark.parametrize("kind", ["xpos", "rope", "alibi", "kerple", "sandwich"])
 def test_far_positions_give_the_same_logits(mode, kind):
     config = tiny_config(attention_mode=mode, position_embedding_type=kind)
     model = perturbed_model(config)
@@ -328,3 +332,63 @@ def test_bad_config_values_name_the_field(field, value):
         field = "hidden_size"
     with pytest.raises(ValueError, match=field):
         tiny_config(**overrides)
+
+
+# ---------------------------------------------------------------- the other position methods of the seed papers
+
+
+def test_bias_formulas_on_small_inputs():
+    from modeling_lex.xpos import alibi_bias, kerple_log_bias, sandwich_bias
+
+    distance = torch.tensor([[0, 1, 5], [2, 0, 1]])
+    r1, r2 = torch.tensor([0.5, 2.0]), torch.tensor([0.25, 1.0])
+    kerple = kerple_log_bias(distance, r1, r2)
+    assert kerple.shape == (2, 2, 3)
+    assert math.isclose(kerple[1, 0, 2].item(), -2.0 * math.log(1 + 1.0 * 5), rel_tol=1e-6)
+    assert math.isclose(kerple[0, 1, 0].item(), -0.5 * math.log(1 + 0.25 * 2), rel_tol=1e-6)
+    alibi = alibi_bias(distance, 8)
+    assert math.isclose(alibi[0, 0, 2].item(), -0.5 * 5, rel_tol=1e-6)  # slope 2^-1 for head 1 of 8
+    assert math.isclose(alibi[7, 0, 2].item(), -(2**-8) * 5, rel_tol=1e-6)
+    positions = torch.arange(6)
+    direct = reference.sandwich(positions, 4, 16)
+    ours = sandwich_bias(positions[:, None] - positions[None, :], 4, 16)
+    torch.testing.assert_close(ours.double(), direct, atol=1e-5, rtol=1e-6)
+    assert (ours[:, 0, 0] == 0).all() and (ours[:, 5, 0] < 0).all()
+
+
+def test_sinusoidal_table_is_fairseqs():
+    from modeling_lex.xpos import sinusoidal_embedding
+
+    positions = torch.tensor([2, 3, 100, 1000])
+    for dim in (32, 33):
+        torch.testing.assert_close(
+            sinusoidal_embedding(positions, dim).double(), reference.fairseq_sinusoidal(positions, dim), atol=1e-6, rtol=0
+        )
+
+
+def test_sinusoidal_warns_beyond_training_length(monkeypatch):
+    """Absolute positions keep their meaning in every mode: beyond l they are out of distribution, and we say so."""
+    from unittest import mock
+
+    from modeling_lex import modeling_lex as module
+
+    logger = mock.Mock()
+    monkeypatch.setattr(module, "logger", logger)
+    model = perturbed_model(tiny_config(position_embedding_type="sinusoidal"))
+    with torch.no_grad():
+        model(torch.randint(0, 97, (1, 16)))
+        assert not logger.warning_once.called
+        model(torch.randint(0, 97, (1, 40)))
+    assert "never seen in training" in logger.warning_once.call_args[0][0]
+
+
+def test_kerple_parameters_are_learned_and_initialised_positive(tmp_path):
+    model = LexForCausalLM(tiny_config(position_embedding_type="kerple"))
+    r1 = model.model.layers[0].self_attn.kerple_r1
+    assert r1.requires_grad and (r1 > 0).all() and (r1 < 2).all()
+    ids = torch.randint(0, 97, (1, 20))
+    model(ids, labels=ids).loss.backward()
+    assert r1.grad is not None and r1.grad.abs().sum() > 0
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    torch.testing.assert_close(loaded.model.layers[0].self_attn.kerple_r1, r1)
