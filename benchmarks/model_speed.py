@@ -11,7 +11,6 @@
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -71,17 +70,25 @@ def train_step_rate(model, args) -> float:
     return args.steps * args.batch * args.length / (time.perf_counter() - start)
 
 
+def peak_rss_mb() -> float:
+    """This process's own peak RSS (VmHWM; getrusage's ru_maxrss would include the parent's peak at fork)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 def forward_rate(args, n: int) -> dict:
     """Run in a child process: blockwise forward tokens/s and this process's peak RSS at length n."""
     model = lex_model(args, "xpos").eval()
     ids = torch.randint(0, args.vocab, (1, n))
     with torch.no_grad():
-        model(ids[:, : min(n, 2048)])
+        model(ids, logits_to_keep=1)
         start = time.perf_counter()
         for _ in range(args.repeats):
             model(ids, logits_to_keep=1)
         seconds = (time.perf_counter() - start) / args.repeats
-    return {"n": n, "tokens_per_s": n / seconds, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    return {"n": n, "tokens_per_s": n / seconds, "peak_rss_mb": peak_rss_mb()}
 
 
 def parse(argv=None):
@@ -110,14 +117,6 @@ def main(argv=None) -> int:
         print(json.dumps(forward_rate(args, args.child_n)))
         return 0
 
-    rates = {}
-    for name, build in [("llama_sdpa", lambda: llama_model(args)), ("lex_xpos", lambda: lex_model(args, "xpos")),
-                        ("lex_rope", lambda: lex_model(args, "rope"))]:
-        model = build()
-        rates[name] = {"params": sum(p.numel() for p in model.parameters()), "tokens_per_s": train_step_rate(model, args)}
-    for name in rates:
-        rates[name]["ratio_to_llama"] = rates[name]["tokens_per_s"] / rates["llama_sdpa"]["tokens_per_s"]
-
     passthrough = [f"--{k}={getattr(args, k)}" for k in ("layers", "hidden", "heads", "vocab", "length", "repeats", "threads")]
     lengths = []
     for n in (int(x) for x in args.lengths.split(",")):
@@ -126,6 +125,14 @@ def main(argv=None) -> int:
     base = lengths[0]
     for row in lengths:
         row["rate_vs_first"] = row["tokens_per_s"] / base["tokens_per_s"]
+
+    rates = {}
+    for name, build in [("llama_sdpa", lambda: llama_model(args)), ("lex_xpos", lambda: lex_model(args, "xpos")),
+                        ("lex_rope", lambda: lex_model(args, "rope"))]:
+        model = build()
+        rates[name] = {"params": sum(p.numel() for p in model.parameters()), "tokens_per_s": train_step_rate(model, args)}
+    for name in rates:
+        rates[name]["ratio_to_llama"] = rates[name]["tokens_per_s"] / rates["llama_sdpa"]["tokens_per_s"]
 
     print(f"train step (fwd+bwd), {args.layers} layers, hidden {args.hidden}, l={args.length}, batch {args.batch}, "
           f"{args.threads} threads")

@@ -46,7 +46,7 @@ class Tile:
     query_slice: slice  # which new tokens
     key_slice: slice  # which keys (dense) / ignored (unfolded)
     factors: tuple[torch.Tensor, ...] | None  # cos_q, sin_q, cos_k, sin_k in the tile's layout
-    mask: torch.Tensor | None  # bool, True = may attend; None = plain causal
+    mask: torch.Tensor | None  # bool (True = may attend) until build_plan makes it additive; None = plain causal
     bias: torch.Tensor | None  # fixed additive float bias (ALiBi, Sandwich), tile layout
     distance: torch.Tensor | None = None  # query-minus-key position, for biases the layers learn (KERPLE)
     unfold: tuple[int, int] | None = None  # (chunk c, left context L) for unfolded tiles
@@ -153,21 +153,41 @@ def _unfolded_tile(config, ctx: AttentionContext, total: int) -> Tile:
     return Tile(slice(0, total), slice(None), factors, mask, bias, distance, unfold=(chunk, left))
 
 
-def build_plan(config, ctx: AttentionContext) -> AttentionPlan:
+def _additive_mask(tile: Tile, dtype: torch.dtype) -> Tile:
+    """Fold the boolean mask and any fixed bias into one additive mask in the model's dtype, once per forward.
+
+    Backends would otherwise convert a boolean mask (and add a bias) in every layer.
+    """
+    if tile.mask is None and tile.bias is None:
+        return tile
+    allowed = tile.mask
+    if allowed is None:
+        q_len = tile.query_slice.stop - tile.query_slice.start
+        k_len = tile.bias.shape[-1]
+        allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=tile.bias.device).tril(k_len - q_len)
+    base = torch.zeros((), dtype=dtype, device=allowed.device) if tile.bias is None else tile.bias.to(dtype)
+    tile.mask = torch.where(allowed, base, torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=allowed.device))
+    tile.bias = None
+    return tile
+
+
+def build_plan(config, ctx: AttentionContext, dtype: torch.dtype) -> AttentionPlan:
     """Choose the tiles for this forward. For n <= w all modes are the same computation (one causal tile)."""
     total = ctx.query_positions.shape[1]
     window = config.attention_window
     if total <= window:
         plain = ctx.cached == 0 and bool(ctx.key_valid.all())
         keys = slice(0, ctx.cached + total)
-        return AttentionPlan([_dense_tile(config, ctx, slice(0, total), keys, causal_only=plain)])
-    if config.attention_mode != "full":
-        return AttentionPlan([_unfolded_tile(config, ctx, total)])
-    tiles = []
-    for start in range(0, total, window):
-        stop = min(start + window, total)
-        tiles.append(_dense_tile(config, ctx, slice(start, stop), slice(0, ctx.cached + stop), causal_only=False))
-    return AttentionPlan(tiles)
+        tiles = [_dense_tile(config, ctx, slice(0, total), keys, causal_only=plain)]
+    elif config.attention_mode != "full":
+        tiles = [_unfolded_tile(config, ctx, total)]
+    else:
+        tiles = [
+            _dense_tile(config, ctx, slice(start, min(start + window, total)),
+                        slice(0, ctx.cached + min(start + window, total)), causal_only=False)
+            for start in range(0, total, window)
+        ]
+    return AttentionPlan([_additive_mask(tile, dtype) for tile in tiles])
 
 
 def eager_attention_forward(
@@ -243,8 +263,7 @@ def run_attention(
         if tile.factors is not None:
             cos_q, sin_q, cos_k, sin_k = tile.factors
             q, k = apply_rotary(q, cos_q, sin_q), apply_rotary(k, cos_k, sin_k)
-        bias = tile.bias if tile.distance is None else module.learned_bias(tile.distance)
-        bias = None if bias is None else bias.to(q.dtype)
+        bias = None if tile.distance is None else module.learned_bias(tile.distance).to(q.dtype)
         out, tile_weights = interface(
             module, q, k, v, tile.mask, dropout=dropout, scaling=module.scaling, position_bias=bias, is_causal=True
         )

@@ -258,7 +258,7 @@ class LexModel(LexPreTrainedModel):
         ctx, keep = self._context(
             *reference.shape[:2], self.embed_tokens.weight.device, attention_mask, position_ids, past_key_values
         )
-        plan = build_plan(self.config, ctx)
+        plan = build_plan(self.config, ctx, self.embed_tokens.weight.dtype)
         hidden_states = self.embed(input_ids, inputs_embeds, ctx.query_positions)
         for layer in self.layers:
             hidden_states = layer(
