@@ -60,6 +60,7 @@ class LexCache(Cache):
         self.positions: torch.Tensor | None = None  # (B, held)
         self.valid: torch.Tensor | None = None  # (B, held) bool
         self.origin: torch.Tensor | None = None  # (B,)
+        self.started: torch.Tensor | None = None  # (B,) bool: the row has seen a real token
 
     @property
     def seen(self) -> int:
@@ -82,9 +83,11 @@ class LexCache(Cache):
 
     def extend(self, query_positions: torch.Tensor, new_valid: torch.Tensor) -> tuple[AttentionContext, int]:
         """Register the new tokens of a forward; returns the attention context and how many keys layers keep."""
-        if self.origin is None:
-            first_real = torch.where(new_valid.any(dim=1), new_valid.int().argmax(dim=1), new_valid.shape[1])
-            self.origin = first_real + self.seen
+        # A row's origin is its first real token; rows that have only seen padding so far get theirs later.
+        has_real = new_valid.any(dim=1)
+        first_real = torch.where(has_real, new_valid.int().argmax(dim=1), new_valid.shape[1]) + self.seen
+        self.origin = first_real if self.origin is None else torch.where(self.started, self.origin, first_real)
+        self.started = has_real if self.started is None else self.started | has_real
         cached = self.held
         key_positions = query_positions if cached == 0 else torch.cat([self.positions, query_positions], dim=1)
         key_valid = new_valid if cached == 0 else torch.cat([self.valid, new_valid], dim=1)
@@ -96,7 +99,9 @@ class LexCache(Cache):
 
     def _apply_to_metadata(self, function) -> None:
         if self.positions is not None:
-            self.positions, self.valid, self.origin = (function(t) for t in (self.positions, self.valid, self.origin))
+            self.positions, self.valid, self.origin, self.started = (
+                function(t) for t in (self.positions, self.valid, self.origin, self.started)
+            )
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
@@ -114,4 +119,4 @@ class LexCache(Cache):
         super().reset()
         for layer in self.layers:
             layer.cumulative_length = 0
-        self.positions = self.valid = self.origin = None
+        self.positions = self.valid = self.origin = self.started = None

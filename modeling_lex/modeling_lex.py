@@ -290,6 +290,44 @@ class LexForCausalLM(LexPreTrainedModel, GenerationMixin):
             return
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
+    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
+        """generate() keeps input_ids and attention_mask the same shape; a mismatch is the caller's error."""
+        if attention_mask is not None and input_ids is not None and attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has "
+                f"{tuple(input_ids.shape)}; generate() needs one mask entry per prompt token"
+            )
+        return super().prepare_inputs_for_generation(input_ids, attention_mask=attention_mask, **kwargs)
+
+    def _prefill_in_blocks(
+        self, input_ids, inputs_embeds, attention_mask, position_ids, cache: LexCache, logits_to_keep, **kwargs
+    ) -> BaseModelOutputWithPast:
+        """Run a long input through the bounded cache w tokens at a time, so activations stay O(w), not O(n).
+
+        Only the hidden states that `logits_to_keep` asks for are kept (all of them when it is 0).
+        """
+        source = input_ids if input_ids is not None else inputs_embeds
+        batch, length = source.shape[:2]
+        seen = cache.get_seq_length()
+        if attention_mask is not None and attention_mask.shape[-1] == length and seen:
+            attention_mask = torch.cat([attention_mask.new_ones(batch, seen), attention_mask], dim=-1)
+        keep_from = length - logits_to_keep if isinstance(logits_to_keep, int) and logits_to_keep > 0 else 0
+        kept = []
+        for start in range(0, length, self.config.attention_window):
+            stop = min(start + self.config.attention_window, length)
+            out = self.model(
+                input_ids=None if input_ids is None else input_ids[:, start:stop],
+                inputs_embeds=None if inputs_embeds is None else inputs_embeds[:, start:stop],
+                attention_mask=None if attention_mask is None else attention_mask[:, : seen + stop],
+                position_ids=None if position_ids is None else position_ids[:, start:stop],
+                past_key_values=cache,
+                use_cache=True,
+                **kwargs,
+            )
+            if stop > keep_from:
+                kept.append(out.last_hidden_state[:, max(keep_from - start, 0) :])
+        return BaseModelOutputWithPast(last_hidden_state=torch.cat(kept, dim=1), past_key_values=cache)
+
     @can_return_tuple
     def forward(
         self,
@@ -303,15 +341,22 @@ class LexForCausalLM(LexPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ) -> CausalLMOutputWithPast:
-        outputs: BaseModelOutputWithPast = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            **kwargs,
-        )
+        length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        wants_internals = kwargs.get("output_hidden_states") or kwargs.get("output_attentions")
+        if isinstance(past_key_values, LexCache) and length > self.config.attention_window and not wants_internals:
+            outputs = self._prefill_in_blocks(
+                input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, logits_to_keep, **kwargs
+            )
+        else:
+            outputs = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                inputs_embeds=inputs_embeds,
+                use_cache=use_cache,
+                **kwargs,
+            )
         hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
         logits = self.lm_head(hidden_states)
         loss = None
