@@ -69,8 +69,8 @@ def test_two_processes_match_one(trained, corpus, tmp_path):
     assert lex([*common, "--output_dir", str(single)]) == 0
     ddp = tmp_path / "ddp"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "--num_machines",
-              "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "lex.cli"]
+    config = Path(__file__).resolve().parents[1] / "lex" / "accelerate_configs" / "ddp_cpu.yaml"
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "-m", "lex.cli"]
     # split_batches: each process takes half of the same global batch of 8, as one process would see it.
     run = subprocess.run([*launch, *common, "--output_dir", str(ddp), "--accelerator_config",
                           '{"split_batches": true}'], env=env, capture_output=True, text=True, timeout=600)
