@@ -1,0 +1,1 @@
+"""Checkpoint converters: TorchScale / fairseq-TorchScale <-> LEX Hugging Face folders."""
