@@ -38,14 +38,17 @@ def kjv_books() -> list[dict]:
 
 
 def expand_globs(patterns: list[str] | str | None, what: str) -> list[str]:
-    """Files matching comma-separated or listed globs (or folders, meaning every file in them), sorted."""
+    """Files matching comma-separated or listed globs, sorted; a folder means its .txt, .json and .jsonl files."""
     if patterns is None:
         return []
     if isinstance(patterns, str):
         patterns = [p for p in patterns.split(",") if p]
     files = []
     for pattern in patterns:
-        matched = sorted(glob.glob(str(Path(pattern) / "*") if Path(pattern).is_dir() else pattern, recursive=True))
+        if Path(pattern).is_dir():
+            matched = sorted(str(p) for p in Path(pattern).iterdir() if p.suffix in (".txt", ".json", ".jsonl"))
+        else:
+            matched = sorted(glob.glob(pattern, recursive=True))
         matched = [f for f in matched if Path(f).is_file()]
         if not matched:
             raise DataError(f"{what}: no file matches {pattern!r}")
