@@ -54,7 +54,12 @@ class StepTimer(TrainerCallback):
 
 
 def make_model(variant: str, settings: dict, tokenizer) -> LexForCausalLM:
+    # The absolute sinusoidal baseline is fairseq's Transformer: embeddings N(0, d^-1/2) scaled by sqrt(d), so
+    # tokens and positions start at the same magnitude (with 0.02 and no scale the positions drown the tokens).
+    absolute = variant == "sinusoidal"
     config = LexConfig(
+        embedding_scale=settings["hidden"] ** 0.5 if absolute else 1.0,
+        initializer_range=settings["hidden"] ** -0.5 if absolute else 0.02,
         vocab_size=len(tokenizer), hidden_size=settings["hidden"], intermediate_size=4 * settings["hidden"],
         num_hidden_layers=settings["layers"], num_attention_heads=settings["heads"],
         max_position_embeddings=settings["length"], position_embedding_type=variant,
