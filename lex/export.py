@@ -1,16 +1,22 @@
-"""`lex export MODEL_DIR OUT_DIR [--push-to-hub REPO_ID] [--private] [--dry-run]`: a Hub-ready folder.
+"""`lex export MODEL_DIR OUT_DIR [--push-to-hub REPO_ID [--private] [--dry-run]]`: a Hub-ready folder.
 
 The folder holds config.json (with `auto_map`), model.safetensors (sharded above --max-shard-size),
-generation_config.json, the tokenizer when the model has one, a model card, and the model code as flat files
-(configuration_lex.py, xpos.py, attention.py, cache.py, modeling_lex.py) importing each other relatively, so
+generation_config.json, the tokenizer when the model has one, a model card (README.md) and the model code as
+flat files (configuration_lex.py, xpos.py, attention.py, cache.py, modeling_lex.py) importing each other
+relatively, so that
 
     AutoModelForCausalLM.from_pretrained(OUT_DIR_or_repo, trust_remote_code=True)
 
 works where this package is not installed. The folder is written to a temporary sibling and moved into place
-only when complete; exporting twice gives identical files.
+only when complete; exporting twice gives identical files. --push-to-hub then uploads exactly that folder as
+one commit (files in the repository that the folder lacks are deleted; --dry-run only lists the commit).
+
+From Python: `export(model_or_dir, out_dir)` then `push_to_hub(out_dir, repo_id)`.
 """
 
 import argparse
+import ast
+import importlib.util
 import json
 import re
 import shutil
@@ -18,169 +24,298 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-CODE_FILES = {
-    "configuration_lex.py": ROOT / "configuration_lex" / "configuration_lex.py",
-    "xpos.py": ROOT / "modeling_lex" / "xpos.py",
-    "attention.py": ROOT / "modeling_lex" / "attention.py",
-    "cache.py": ROOT / "modeling_lex" / "cache.py",
-    "modeling_lex.py": ROOT / "modeling_lex" / "modeling_lex.py",
-}
-# Imports between the two packages, rewritten for the flat layout; relative imports inside modeling_lex stay.
-IMPORT_REWRITES = {
-    "from configuration_lex.configuration_lex import LexConfig": "from .configuration_lex import LexConfig",
-}
 AUTO_MAP = {
     "AutoConfig": "configuration_lex.LexConfig",
     "AutoModel": "modeling_lex.LexModel",
     "AutoModelForCausalLM": "modeling_lex.LexForCausalLM",
 }
-PACKAGE_IMPORT = re.compile(r"^\s*(from|import)\s+(configuration_lex|modeling_lex|lex|convert)\b", re.MULTILINE)
+# Every module of the two packages the remote code needs, and its flat file name. An import of any other
+# module of this project fails the export, so an edit cannot silently produce a folder that does not load.
+FLAT_MODULES = {
+    "configuration_lex.configuration_lex": "configuration_lex",
+    "modeling_lex.xpos": "xpos",
+    "modeling_lex.attention": "attention",
+    "modeling_lex.cache": "cache",
+    "modeling_lex.modeling_lex": "modeling_lex",
+}
+PROJECT_PACKAGES = ("configuration_lex", "modeling_lex", "lex", "convert")
+CARD_TAGS = ("lex", "xpos", "length-extrapolation", "custom_code")
+LICENSE_ID = re.compile(r"^[a-z0-9][a-z0-9.+-]*$")
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 
 
 class ExportError(ValueError):
-    pass
+    """A model, folder or option that cannot be exported; raised before OUT_DIR is touched."""
 
 
-def flat_source(name: str) -> str:
-    """A code file with its cross-package imports made relative; any other package import is an error."""
-    text = CODE_FILES[name].read_text(encoding="utf-8")
-    for old, new in IMPORT_REWRITES.items():
-        text = text.replace(old, new)
-    leftover = PACKAGE_IMPORT.search(text)
-    if leftover:
-        line = text[leftover.start() : text.index("\n", leftover.start())].strip()
-        raise ExportError(f"{CODE_FILES[name]} imports the package in a way the flat export cannot map: {line!r}")
-    return text
+def flat_source(module: str) -> str:
+    """The source of `module` (a key of FLAT_MODULES) ready to be a flat remote-code file."""
+    path = Path(importlib.util.find_spec(module).origin)
+    return flatten(path.read_text(encoding="utf-8"), module.rpartition(".")[0], str(path))
 
 
-def results_table(model_dir: Path) -> str | None:
-    """A markdown table of perplexity by length from a `lex eval-length` results.json in the model folder."""
-    path = model_dir / "results.json"
-    if not path.is_file():
-        return None
-    from .eval_length import table
+def flatten(text: str, package: str, origin: str) -> str:
+    """`text`, a module of `package`, with its imports of the project rewritten to flat relative ones.
 
-    rows = json.loads(path.read_text())
-    return table(rows, "segments") if rows else None
+    transformers fetches remote code by following `from .name import` lines (dynamic_module_utils.
+    get_relative_imports): only single-dot imports of sibling files work, so every project import becomes one.
+    """
+    lines = text.splitlines(keepends=True)
+    for node in ast.walk(ast.parse(text, filename=origin)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in PROJECT_PACKAGES:
+                    raise ExportError(f"{origin}:{node.lineno}: `import {alias.name}` cannot be flattened; "
+                                      "use `from MODULE import NAME` with a module of FLAT_MODULES in lex/export.py")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0 and node.module.split(".")[0] not in PROJECT_PACKAGES:
+                continue
+            if node.level == 0:
+                target = node.module
+            elif node.level == 1 and node.module:
+                target = f"{package}.{node.module}"
+            else:
+                target = None
+            written = "from " + "." * node.level + (node.module or "")
+            line = lines[node.lineno - 1]
+            if target not in FLAT_MODULES or not line[node.col_offset :].startswith(written + " "):
+                raise ExportError(f"{origin}:{node.lineno}: {line.strip()!r} imports something the flat export "
+                                  f"does not map; import from one of {', '.join(FLAT_MODULES)} (FLAT_MODULES in "
+                                  "lex/export.py)")
+            start = node.col_offset
+            lines[node.lineno - 1] = f"{line[:start]}from .{FLAT_MODULES[target]}{line[start + len(written):]}"
+    return "".join(lines)
 
 
-def model_card(config, parameters: int, repo_name: str, license_name: str, results: str | None) -> str:
-    mode, window = config.attention_mode, config.attention_window
+def load_results(path: Path) -> list[dict]:
+    """Records with `length` and `ppl` (and optionally model, attention_mode, protocol) from a results file.
+
+    Reads what `lex eval-length` and `lex demo` write: a list of records (results.json) or {"rows": [...]}
+    (study.json).
+    """
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise ExportError(f"--results {path}: cannot read it as JSON ({error})") from error
+    if isinstance(data, dict):
+        data = data.get("rows")
+    records = [r for r in data if isinstance(r, dict) and isinstance(r.get("length"), int)
+               and isinstance(r.get("ppl"), (int, float))] if isinstance(data, list) else []
+    if not records:
+        raise ExportError(f"--results {path}: expected a list of records with 'length' and 'ppl' "
+                          "(the results.json of `lex eval-length`)")
+    return records
+
+
+def results_table(records: list[dict]) -> str:
+    """Markdown table: one row per (model, attention mode, protocol) present, one column per length."""
+    labels = {"model": "model", "attention_mode": "attention", "protocol": "protocol"}
+    keys = [k for k in labels if any(k in r for r in records)]
+    lengths = sorted({r["length"] for r in records})
+    groups: dict[tuple, dict[int, float]] = {}
+    for record in records:
+        groups.setdefault(tuple(str(record.get(k, "")) for k in keys), {})[record["length"]] = record["ppl"]
+    header = [labels[k] for k in keys] + [str(n) for n in lengths]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for group, values in groups.items():
+        cells = list(group) + [f"{values[n]:.2f}" if n in values else "-" for n in lengths]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def model_card(config, parameters: int, repo_name: str, license_name: str, has_tokenizer: bool,
+               results: str | None) -> str:
+    """README.md: Hub metadata in YAML front matter, what the model is, how to load it, its perplexity table."""
+    mode, window, length = config.attention_mode, config.attention_window, config.max_position_embeddings
+    attention = {
+        "blockwise": f"blockwise causal (BCA): blocks of {window // 2} tokens, a token sees its block and the "
+                     f"previous one (at most {window} keys)",
+        "sliding": f"sliding window: a token sees the last {window} keys",
+        "full": "full causal attention",
+    }[mode]
+    if mode == "full":
+        long_inputs = ("Attention here is full: for inputs longer than the training length load the model with "
+                       '`attention_mode="blockwise"` (a config override), which reads any length in '
+                       f"O(n·{window}) memory.")
+    else:
+        long_inputs = (f"Inputs may be far longer than the training length: attention only ever looks at {window} "
+                       f"keys, and `generate()` keeps a cache of at most {window} positions per layer.")
+    load = ["from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+            f'model = AutoModelForCausalLM.from_pretrained("{repo_name}", trust_remote_code=True)']
+    if has_tokenizer:
+        load += [f'tokenizer = AutoTokenizer.from_pretrained("{repo_name}")',
+                 'ids = tokenizer("In the beginning", return_tensors="pt").input_ids',
+                 "print(tokenizer.decode(model.generate(ids, max_new_tokens=50)[0]))"]
     lines = [
         "---",
         "library_name: transformers",
         "pipeline_tag: text-generation",
         f"license: {license_name}",
         "tags:",
-        "- lex",
-        "- xpos",
-        "- length-extrapolation",
-        "- custom_code",
+        *[f"- {tag}" for tag in CARD_TAGS],
         "---",
         "",
         f"# {repo_name}",
         "",
-        'A LEX Transformer ("A Length-Extrapolatable Transformer", Sun et al. 2022): '
-        f"{config.position_embedding_type} positions with {mode} attention.",
+        'A LEX Transformer ("A Length-Extrapolatable Transformer", Sun et al. 2022): a decoder-only language '
+        f"model with {config.position_embedding_type} positions and {mode} attention.",
         "",
         "| | |",
         "|---|---|",
-        f"| training length | {config.max_position_embeddings} tokens |",
+        f"| training length | {length} tokens |",
         f"| attention mode | {mode} |",
-        f"| attention window | {window} tokens (blocks of {window // 2}) |",
+        f"| attention window | {window} tokens |",
         f"| position embedding | {config.position_embedding_type} |",
         f"| parameters | {parameters:,} |",
-        f"| layers / hidden / heads | {config.num_hidden_layers} / {config.hidden_size} / {config.num_attention_heads} |",
+        f"| layers / hidden / heads | {config.num_hidden_layers} / {config.hidden_size} / "
+        f"{config.num_attention_heads} |",
         "",
-        "Inputs may be far longer than the training length: blockwise and sliding attention only ever look at "
-        f"{window} keys, and generate() keeps a cache of at most {window} positions per layer.",
+        f"Attention: {attention}. {long_inputs}",
         "",
         "## How to load",
         "",
-        "```python",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "The model code ships with the weights (`trust_remote_code=True`); it needs torch and transformers 5.",
         "",
-        f'model = AutoModelForCausalLM.from_pretrained("{repo_name}", trust_remote_code=True)',
-        f'tokenizer = AutoTokenizer.from_pretrained("{repo_name}")',
-        'ids = tokenizer("In the beginning", return_tensors="pt").input_ids',
-        "print(tokenizer.decode(model.generate(ids, max_new_tokens=50)[0]))",
+        "```python",
+        *load,
         "```",
     ]
     if results:
-        lines += ["", "## Perplexity by evaluation length", "", results]
+        lines += ["", "## Perplexity by evaluation length", "",
+                  f"Trained on {length}-token sequences; evaluated at the lengths below (`lex eval-length`).", "",
+                  results]
     return "\n".join(lines) + "\n"
 
 
-def export(model_dir: str | Path, out_dir: str | Path, *, license_name: str = "mit", max_shard_size: str = "2GB",
-           repo_name: str | None = None, force: bool = False) -> Path:
-    """Write the Hub-ready folder for a LEX model folder; returns OUT_DIR."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _is_within(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
 
-    import modeling_lex  # noqa: F401
 
-    model_dir, out_dir = Path(model_dir), Path(out_dir)
+def export(model, out_dir: str | Path, *, tokenizer=None, results: str | Path | None = None,
+           license_name: str = "mit", max_shard_size: str | int = "2GB", repo_name: str | None = None,
+           force: bool = False) -> Path:
+    """Write the Hub-ready folder for a LEX model (a model folder or a LexForCausalLM); returns OUT_DIR.
+
+    The tokenizer and the results file default to those in the model folder (tokenizer files, results.json).
+    `repo_name` is the name the card's loading snippet uses (default: the folder's name).
+    """
+    from transformers import AutoTokenizer, PreTrainedModel
+    from transformers.utils.hub import convert_file_size_to_int
+
+    import modeling_lex
+
+    out_dir = Path(out_dir).resolve()
+    if not LICENSE_ID.match(license_name):
+        raise ExportError(f"--license {license_name!r}: use a Hub license id such as mit, apache-2.0 or other")
+    try:
+        convert_file_size_to_int(max_shard_size)
+    except ValueError as error:
+        raise ExportError(f"--max-shard-size {max_shard_size!r}: use bytes or a size such as 500MB or 5GB") from error
     if out_dir.exists() and not force:
         raise ExportError(f"{out_dir} exists; pass --force to replace it")
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    if model.config.model_type != "lex":
-        raise ExportError(f"{model_dir} holds a {model.config.model_type!r} model, not a LEX model")
-    model.config.auto_map = dict(AUTO_MAP)
-    sources = {name: flat_source(name) for name in CODE_FILES}
+    model_dir = None
+    if not isinstance(model, PreTrainedModel):
+        model_dir = Path(model).resolve()
+        if _is_within(model_dir, out_dir):
+            raise ExportError(f"OUT_DIR {out_dir} would replace the model folder {model_dir}; choose another")
+        model_type = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("model_type")
+        if model_type != "lex":
+            raise ExportError(f"{model_dir} holds a {model_type!r} model; lex export writes LEX models only")
+        model = modeling_lex.LexForCausalLM.from_pretrained(model_dir)
+        if tokenizer is None and any((model_dir / name).is_file() for name in TOKENIZER_FILES):
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        if results is None and (model_dir / "results.json").is_file():
+            results = model_dir / "results.json"
+    elif model.config.model_type != "lex":
+        raise ExportError(f"the model is a {model.config.model_type!r} model; lex export writes LEX models only")
+    table = results_table(load_results(Path(results))) if results is not None else None
+    sources = {f"{flat}.py": flat_source(module) for module, flat in FLAT_MODULES.items()}
+    parameters = sum(p.numel() for p in model.parameters())
+    card = model_card(model.config, parameters, repo_name or out_dir.name, license_name, tokenizer is not None,
+                      table)
+
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    previous_auto_map = getattr(model.config, "auto_map", None)
     try:
+        model.config.auto_map = dict(AUTO_MAP)
         model.save_pretrained(staging, max_shard_size=max_shard_size)
         for name, text in sources.items():
             (staging / name).write_text(text, encoding="utf-8")
-        if (model_dir / "tokenizer_config.json").is_file():
-            AutoTokenizer.from_pretrained(model_dir).save_pretrained(staging)
-        parameters = sum(p.numel() for p in model.parameters())
-        card = model_card(model.config, parameters, repo_name or out_dir.name, license_name, results_table(model_dir))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
         (staging / "README.md").write_text(card, encoding="utf-8")
         if out_dir.exists():
             shutil.rmtree(out_dir)
         staging.rename(out_dir)
     finally:
+        model.config.auto_map = previous_auto_map
         if staging.exists():
             shutil.rmtree(staging)
     return out_dir
 
 
-def push(folder: Path, repo_id: str, private: bool, dry_run: bool, api=None) -> str:
-    """Upload exactly the exported folder as one commit (or, with dry_run, say what would be uploaded)."""
-    files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
-    message = f"Upload LEX model ({len(files)} files) with lex export"
-    if dry_run:
-        return "\n".join([f"dry run: would create {'private ' if private else ''}repo {repo_id} and commit "
-                          f"{message!r} with:"] + [f"  {f}" for f in files])
-    from huggingface_hub import HfApi
+def folder_files(folder: Path) -> list[str]:
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
 
-    api = api or HfApi()
+
+def push_to_hub(folder: str | Path, repo_id: str, *, private: bool = False, dry_run: bool = False,
+                commit_message: str | None = None, token: str | None = None) -> str:
+    """Upload exactly the exported folder to `repo_id` as one commit; with `dry_run`, describe it and touch nothing.
+
+    Files of the repository that the folder lacks (a stale shard of an earlier export) are deleted in the same
+    commit, so the repository ends up equal to the folder; .gitattributes is kept.
+    """
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as error:
+        raise ExportError(f"--push-to-hub {repo_id!r}: {error}") from error
+    folder = Path(folder)
+    files = folder_files(folder)
+    if "config.json" not in files or "README.md" not in files:
+        raise ExportError(f"{folder} is not an exported folder (no config.json or README.md); run lex export first")
+    message = commit_message or f"Upload LEX model with lex export ({len(files)} files)"
+    if dry_run:
+        return "\n".join([f"dry run: would create {'private ' if private else ''}model repo {repo_id} if needed "
+                          f"and commit {message!r}, adding:", *[f"  {name}" for name in files],
+                          "and deleting any other file of the repository (except .gitattributes)"])
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
+
+    api = HfApi(token=token)
     api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-    info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model", commit_message=message)
-    return f"pushed {len(files)} files to {repo_id}: {getattr(info, 'commit_url', info)}"
+    stale = sorted(set(api.list_repo_files(repo_id, repo_type="model")) - set(files) - {".gitattributes"})
+    operations = [CommitOperationDelete(path_in_repo=name) for name in stale]
+    operations += [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(folder / name)) for name in files]
+    info = api.create_commit(repo_id, operations, commit_message=message, repo_type="model")
+    return f"pushed {len(files)} files to {repo_id} (deleted {len(stale)} stale): {info.commit_url}"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lex export", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model_dir", type=Path)
-    parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the folder to this Hub repository")
-    parser.add_argument("--private", action="store_true", help="create the Hub repository as private")
-    parser.add_argument("--dry-run", action="store_true", help="list what --push-to-hub would upload; no network")
-    parser.add_argument("--license", default="mit", help="license field of the model card")
-    parser.add_argument("--max-shard-size", default="2GB", help="shard model.safetensors above this size")
+    parser.add_argument("model_dir", type=Path, help="a LEX model folder (save_pretrained, lex train, lex demo)")
+    parser.add_argument("out_dir", type=Path, help="the folder to write; refused if it exists, unless --force")
+    parser.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the folder to this Hub model repository")
+    parser.add_argument("--private", action="store_true",
+                        help="create the Hub repository as private (an existing one keeps its visibility)")
+    parser.add_argument("--dry-run", action="store_true", help="print what --push-to-hub would commit; no network")
+    parser.add_argument("--results", type=Path,
+                        help="results.json of `lex eval-length` for the card's table (default: MODEL_DIR's own)")
+    parser.add_argument("--license", default="mit", help="Hub license id for the card (default: mit)")
+    parser.add_argument("--max-shard-size", default="2GB", help="shard model.safetensors above this (default 2GB)")
     parser.add_argument("--force", action="store_true", help="replace an existing OUT_DIR")
     args = parser.parse_args(argv)
+    if (args.private or args.dry_run) and not args.push_to_hub:
+        parser.error("--private and --dry-run go with --push-to-hub REPO_ID")
     try:
-        folder = export(args.model_dir, args.out_dir, license_name=args.license, max_shard_size=args.max_shard_size,
-                        repo_name=args.push_to_hub, force=args.force)
+        folder = export(args.model_dir, args.out_dir, results=args.results, license_name=args.license,
+                        max_shard_size=args.max_shard_size, repo_name=args.push_to_hub, force=args.force)
+        print(f"exported {folder}")
+        if args.push_to_hub:
+            print(push_to_hub(folder, args.push_to_hub, private=args.private, dry_run=args.dry_run))
     except (ExportError, OSError) as error:
         print(f"lex export: {error}", file=sys.stderr)
         return 2
-    print(f"exported {folder}")
-    if args.push_to_hub:
-        print(push(folder, args.push_to_hub, args.private, args.dry_run))
     return 0
