@@ -3,9 +3,10 @@
 Keys are stored before any position encoding (as the reference fork does), with their position ids, so each
 step re-encodes its <= w keys relative to the current window: decoding at token 10^6 uses the same numbers as
 decoding at token 0. Per layer the cache holds at most
-- blockwise: the previous full block and the current partial one (<= w), dropping a whole block when the
-  current one fills; rows whose blocks are shifted by different amounts of left padding share one span, so a
-  batch mixing them may hold up to w + b - 1;
+- blockwise: the previous full block and the current partial one (b to w - 1 keys, b = w/2), dropping a whole
+  block when the current one fills; left-padded rows count blocks from their own first token and the cache
+  keeps the union of what the rows need, still at most w - 1 (every row's current block starts within the
+  last b positions);
 - sliding: the last w - 1;
 - full: everything (the ordinary unbounded cache).
 """
