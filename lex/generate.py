@@ -1,11 +1,12 @@
 """`lex generate MODEL --prompt-file FILE --max-new-tokens N`: continue a long document with the bounded cache.
 
-The prompt is prefilled window by window (with a progress bar), then generate() streams the continuation.
-Memory stays O(window) however long the prompt is.
+The prompt is prefilled window by window (with a progress bar), then generate() streams the continuation to
+stdout. In blockwise and sliding modes memory stays O(window) however long the prompt is.
 """
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -30,22 +31,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="override the model's attention_mode")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar while reading the prompt")
     args = parser.parse_args(argv)
-    if args.max_new_tokens < 0:
-        parser.error(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not args.prompt_file.is_file():
         parser.error(f"--prompt-file {args.prompt_file} does not exist")
     return args
 
 
+@torch.no_grad()
 def prefill(model, input_ids: torch.Tensor, cache: LexCache, progress: bool = True) -> None:
-    """Feed all but the last prompt token through the cache, one window at a time."""
+    """Feed all but the last prompt token through the cache one window at a time; generate() reads the last."""
     window = model.config.attention_window
-    chunks = range(0, input_ids.shape[1] - 1, window)
-    with torch.no_grad():
-        for start in tqdm(chunks, desc="prefill", unit="window", disable=not progress or len(chunks) < 2):
-            stop = min(start + window, input_ids.shape[1] - 1)
+    length = input_ids.shape[1] - 1
+    with tqdm(total=length, desc="prompt", unit="tok", disable=not progress or length < 2 * window,
+              file=sys.stderr) as bar:
+        for start in range(0, length, window):
+            stop = min(start + window, length)
             model(input_ids[:, start:stop], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            bar.update(stop - start)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,12 +65,15 @@ def main(argv: list[str] | None = None) -> int:
     if input_ids.shape[1] == 0:
         print(f"lex generate: {args.prompt_file} holds no tokens", file=sys.stderr)
         return 2
-    print(f"prompt: {input_ids.shape[1]} tokens; window {model.config.attention_window} "
-          f"({model.config.attention_mode}); training length {model.config.max_position_embeddings}", file=sys.stderr)
-    cache = LexCache(model.config)
-    prefill(model, input_ids, cache)
-    model.generate(
+    config = model.config
+    print(f"prompt: {input_ids.shape[1]} tokens; {config.attention_mode} attention, window "
+          f"{config.attention_window}; training length {config.max_position_embeddings}", file=sys.stderr)
+    cache = LexCache(config)
+    prefill(model, input_ids, cache, progress=not args.no_progress)
+    start = time.perf_counter()
+    output = model.generate(
         input_ids,
+        attention_mask=torch.ones_like(input_ids),  # the prompt has no padding, even if it holds the pad token
         past_key_values=cache,
         max_new_tokens=args.max_new_tokens,
         do_sample=args.do_sample,
@@ -75,4 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
         streamer=TextStreamer(tokenizer, skip_prompt=True),
     )
+    seconds = time.perf_counter() - start
+    new = output.shape[1] - input_ids.shape[1]
+    print(f"{new} tokens in {seconds:.1f} s ({new / seconds:.1f} tokens/s); the cache holds "
+          f"{cache.layers[0].keys.shape[2]} positions per layer", file=sys.stderr)
     return 0

@@ -2,13 +2,15 @@
 
 Keys are stored before any position encoding (as the reference fork does), with their position ids, so each
 step re-encodes its <= w keys relative to the current window: decoding at token 10^6 uses the same numbers as
-decoding at token 0. Per layer the cache holds at most
+decoding at token 0. Between forwards each layer holds at most
 - blockwise: the previous full block and the current partial one (b to w - 1 keys, b = w/2), dropping a whole
-  block when the current one fills; left-padded rows count blocks from their own first token and the cache
+  block when the current one fills; left-padded rows count blocks from their own first token, and the cache
   keeps the union of what the rows need, still at most w - 1 (every row's current block starts within the
   last b positions);
 - sliding: the last w - 1;
 - full: everything (the ordinary unbounded cache).
+A decoding step's queries therefore see at most w keys. Prompts longer than w are fed through the cache w
+tokens at a time by `LexForCausalLM.forward`, so a prompt of any length is read in O(w) memory.
 """
 
 import torch
@@ -19,6 +21,8 @@ from .attention import AttentionContext
 
 class LexCacheLayer(DynamicLayer):
     """One layer's raw keys and values; `update` returns them with the new ones and keeps the last `keep`."""
+
+    is_croppable = False  # dropped blocks are gone: generate() must not plan on rolling the cache back
 
     def __init__(self) -> None:
         super().__init__()
@@ -44,7 +48,10 @@ class LexCacheLayer(DynamicLayer):
         return held + query_length, self.cumulative_length - held
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("LexCache cannot be cropped: dropped blocks cannot be restored")
+        raise NotImplementedError(
+            "LexCache cannot be cropped: the blocks it dropped cannot be restored, so assisted (speculative) "
+            "decoding, which rolls the cache back, is not supported"
+        )
 
 
 class LexCache(Cache):

@@ -12,7 +12,7 @@ from torch import nn
 from transformers import AutoModel, AutoModelForCausalLM
 from transformers import initialization as init
 from transformers.cache_utils import Cache
-from transformers.generation import GenerationMixin
+from transformers.generation import GenerationMixin, MaxLengthCriteria, StoppingCriteriaList
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
@@ -278,26 +278,59 @@ class LexForCausalLM(LexPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs) -> None:
         """generate() gets a LexCache (bounded in blockwise/sliding modes) unless the caller passed a cache."""
-        wants_default = (
-            model_kwargs.get("past_key_values") is None
-            and generation_config.use_cache is not False
-            and generation_config.cache_implementation in (None, "dynamic")
-        )
-        if wants_default:
-            model_kwargs["past_key_values"] = LexCache(self.config)
-            return
-        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-
-    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
-        """generate() keeps input_ids and attention_mask the same shape; a mismatch is the caller's error."""
-        if attention_mask is not None and input_ids is not None and attention_mask.shape != input_ids.shape:
+        if model_kwargs.get("past_key_values") is not None or generation_config.use_cache is False:
+            return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        if generation_config.cache_implementation not in (None, "dynamic"):
             raise ValueError(
-                f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has "
-                f"{tuple(input_ids.shape)}; generate() needs one mask entry per prompt token"
+                f"cache_implementation={generation_config.cache_implementation!r} is not supported by LEX models: "
+                "generate() uses a LexCache, which re-encodes positions inside each window; allowed: None, 'dynamic'"
             )
-        return super().prepare_inputs_for_generation(input_ids, attention_mask=attention_mask, **kwargs)
+        model_kwargs["past_key_values"] = LexCache(self.config)
+
+    def _prepare_generated_length(self, generation_config, has_default_max_length, *args, **kwargs):
+        """Without max_length/max_new_tokens, generate the default 20 new tokens after any prompt.
+
+        transformers would cap that default at max_position_embeddings (the training length l), which refuses
+        every prompt longer than l; LEX reads past l by design.
+        """
+        if has_default_max_length and generation_config.max_new_tokens is None:
+            generation_config.max_new_tokens = generation_config.max_length
+        return super()._prepare_generated_length(generation_config, has_default_max_length, *args, **kwargs)
+
+    def _get_stopping_criteria(self, *args, **kwargs) -> StoppingCriteriaList:
+        """transformers' length criterion warns once past max_position_embeddings; for LEX that is no limit."""
+        criteria = super()._get_stopping_criteria(*args, **kwargs)
+        for criterion in criteria:
+            if isinstance(criterion, MaxLengthCriteria):
+                criterion.max_position_embeddings = None
+        return criteria
+
+    def prepare_inputs_for_generation(
+        self, input_ids, past_key_values=None, attention_mask=None, inputs_embeds=None, is_first_iteration=False,
+        **kwargs,
+    ):
+        """Check the caller's attention_mask against the prompt once; generate() keeps them in step afterwards."""
+        if is_first_iteration and attention_mask is not None:
+            prompt = inputs_embeds if inputs_embeds is not None else input_ids
+            past = past_key_values.get_seq_length() if past_key_values is not None else 0
+            if attention_mask.shape[0] != prompt.shape[0] or attention_mask.shape[1] not in (
+                prompt.shape[1],
+                past + prompt.shape[1],
+            ):
+                raise ValueError(
+                    f"attention_mask has shape {tuple(attention_mask.shape)} but the prompt has "
+                    f"{tuple(prompt.shape[:2])}; generate() needs one mask entry per prompt token"
+                )
+        return super().prepare_inputs_for_generation(
+            input_ids,
+            past_key_values=past_key_values,
+            attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds,
+            is_first_iteration=is_first_iteration,
+            **kwargs,
+        )
 
     def _prefill_in_blocks(
         self, input_ids, inputs_embeds, attention_mask, position_ids, cache: LexCache, logits_to_keep, **kwargs

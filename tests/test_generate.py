@@ -1,4 +1,10 @@
-"""generate() with the bounded cache: the incremental form of the no-cache forward in every mode."""
+"""generate() with the bounded cache: the incremental form of the no-cache forward in every mode.
+
+References: the model's own no-cache forward over the final sequence (itself held to tests/reference.py in
+test_model.py), the float64 naive reference directly for xPos, and generate() without any cache.
+"""
+
+import warnings
 
 import pytest
 import torch
@@ -6,10 +12,21 @@ from transformers import DynamicCache, GenerationConfig, TextStreamer
 
 import modeling_lex  # noqa: F401
 from modeling_lex import LexCache
+from tests import reference
 from tests.test_model import perturbed_model, tiny_config
 
 W = 16  # tiny_config's attention_window
-PAD = 0  # never sampled as a prompt token below, so generate() infers no padding inside prompts
+PAD = 0  # never drawn as a prompt token below, so generate() infers no padding inside prompts
+KINDS = ["xpos", "rope", "decay", "alibi", "kerple", "sandwich", "sinusoidal", "none"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models decode fastest on one thread; several contend badly when the machine is busy."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def prompt(batch: int, length: int, seed: int = 0) -> torch.Tensor:
@@ -23,29 +40,72 @@ def greedy(model, ids, **kwargs):
     )
 
 
+def left_padded(lengths: list[int]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    rows = [prompt(1, n, seed=n)[0] for n in lengths]
+    longest = max(lengths)
+    ids = torch.full((len(rows), longest), PAD)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, longest - len(row) :] = row
+        mask[i, longest - len(row) :] = 1
+    return rows, ids, mask
+
+
+def record_cache_size(model, cache: LexCache) -> list[int]:
+    """After every forward of the base model (each prefill chunk, each step): the most any layer holds."""
+    sizes = []
+
+    def hook(module, args, output):
+        sizes.append(max(max(layer.keys.shape[2] for layer in cache.layers), cache.positions.shape[1]))
+
+    model.model.register_forward_hook(hook)
+    return sizes
+
+
+# ---------------------------------------------------------------- the contract
+
+
 @pytest.mark.parametrize("mode", ["blockwise", "sliding", "full"])
-@pytest.mark.parametrize("kind", ["xpos", "rope", "decay", "alibi", "kerple", "sandwich", "sinusoidal"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("prompt_len", [5, W, int(3.7 * W)])
 def test_every_cached_step_equals_the_no_cache_forward(mode, kind, prompt_len):
     model = perturbed_model(tiny_config(attention_mode=mode, position_embedding_type=kind))
     ids = prompt(1, prompt_len)
     out = greedy(model, ids, max_new_tokens=3 * W)
-    assert isinstance(out.past_key_values, LexCache)
+    assert isinstance(out.past_key_values, LexCache) and out.sequences.shape[1] == prompt_len + 3 * W
     with torch.no_grad():
-        reference = model(out.sequences).logits[0, prompt_len - 1 : -1]
+        reference_logits = model(out.sequences).logits[0, prompt_len - 1 : -1]
     steps = torch.stack(out.logits, dim=1)[0]
-    torch.testing.assert_close(steps, reference, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(steps, reference_logits, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("mode, bound", [("blockwise", W), ("sliding", W - 1)])
-def test_cache_stays_within_the_window(mode, bound):
+@pytest.mark.parametrize("mode", ["blockwise", "sliding", "full"])
+def test_cached_steps_equal_the_float64_reference(mode):
+    config = tiny_config(attention_mode=mode)
+    model = perturbed_model(config, seed=2)
+    ids = prompt(1, int(3.7 * W), seed=5)
+    out = greedy(model, ids, max_new_tokens=3 * W)
+    expected = reference.forward(model.state_dict(), config, out.sequences[0])[ids.shape[1] - 1 : -1]
+    torch.testing.assert_close(torch.stack(out.logits, dim=1)[0].double(), expected, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- bounded memory
+
+
+@pytest.mark.parametrize("mode, bound", [("blockwise", W - 1), ("sliding", W - 1)])
+def test_cache_stays_within_the_window_at_every_step(mode, bound):
+    """Left-padded rows (blocks counted from each row's own start) and a prompt of several windows."""
     model = perturbed_model(tiny_config(attention_mode=mode))
-    out = greedy(model, prompt(1, 7), max_new_tokens=10 * W)
-    cache = out.past_key_values
-    assert cache.get_seq_length() == 7 + 10 * W - 1
+    _, ids, mask = left_padded([3 * W + 5, 13, 30])
+    cache = LexCache(model.config)
+    sizes = record_cache_size(model, cache)
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=10 * W, do_sample=False,
+                         pad_token_id=PAD, return_dict_in_generate=True)
+    assert out.past_key_values is cache and cache.get_seq_length() == ids.shape[1] + 10 * W - 1
+    assert len(sizes) == 4 + 10 * W - 1  # four prefill chunks, then one forward per step
+    assert max(sizes) <= bound and sizes[-1] >= W // 2
     for layer in cache.layers:
-        assert layer.keys.shape[2] <= bound and layer.values.shape[2] <= bound
-    assert cache.positions.shape[1] <= bound
+        assert layer.keys.shape == layer.values.shape and layer.keys.shape[2] <= bound
 
 
 def test_blockwise_cache_drops_whole_blocks():
@@ -68,73 +128,71 @@ def test_full_mode_keeps_everything():
     assert out.past_key_values.layers[0].keys.shape[2] == 5 + 3 * W - 1
 
 
-@pytest.mark.parametrize("mode", ["blockwise", "sliding"])
+def test_long_prompt_is_prefilled_block_by_block():
+    """generate() and a forward by hand both run every layer on at most w tokens at a time."""
+    model = perturbed_model(tiny_config())
+    ids = prompt(1, 10 * W + 3)
+    lengths = []
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(lambda module, args: lengths.append(args[0].shape[1]))
+    out = greedy(model, ids, max_new_tokens=2)
+    assert max(lengths) == W and len(lengths) == 2 * (11 + 1)  # 2 layers x (11 prefill chunks + 1 step)
+    with torch.no_grad():
+        torch.testing.assert_close(out.logits[0][0], model(ids).logits[0, -1], atol=1e-5, rtol=1e-5)
+        lengths.clear()
+        cached = model(ids, past_key_values=LexCache(model.config), use_cache=True, logits_to_keep=1).logits
+    assert max(lengths) == W and cached.shape[1] == 1
+    torch.testing.assert_close(cached[0, -1], out.logits[0][0], atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- batches, beams, sampling, the Cache API
+
+
+@pytest.mark.parametrize("mode", ["blockwise", "sliding", "full"])
 def test_left_padded_rows_generate_as_alone(mode):
     model = perturbed_model(tiny_config(attention_mode=mode))
-    rows = [prompt(1, n, seed=n)[0] for n in (21, 13, 30)]
-    longest = max(len(r) for r in rows)
-    ids = torch.full((3, longest), PAD)
-    mask = torch.zeros_like(ids)
-    for i, row in enumerate(rows):
-        ids[i, longest - len(row) :] = row
-        mask[i, longest - len(row) :] = 1
+    rows, ids, mask = left_padded([21, 13, 30])
     batch = model.generate(ids, attention_mask=mask, max_new_tokens=2 * W, do_sample=False, pad_token_id=PAD)
     for i, row in enumerate(rows):
         alone = model.generate(row[None], max_new_tokens=2 * W, do_sample=False, pad_token_id=PAD)
-        assert torch.equal(batch[i, longest:], alone[0, len(row) :])
+        assert torch.equal(batch[i, ids.shape[1] :], alone[0, len(row) :])
 
 
-def test_beam_search_and_sampling_across_blocks():
-    model = perturbed_model(tiny_config())
+@pytest.mark.parametrize("mode", ["blockwise", "sliding"])
+def test_beam_search_and_sampling_equal_generation_without_cache(mode):
+    """num_beams=3 and sampling over several blocks pick what the no-cache forward picks at every step."""
+    model = perturbed_model(tiny_config(attention_mode=mode))
     ids = prompt(2, 11)
-    beams = model.generate(ids, num_beams=3, max_new_tokens=3 * W, do_sample=False, pad_token_id=PAD)
-    assert beams.shape == (2, 11 + 3 * W)
-    torch.manual_seed(0)
-    sampled = model.generate(ids, do_sample=True, top_k=20, max_new_tokens=3 * W, pad_token_id=PAD)
-    torch.manual_seed(0)
-    again = model.generate(ids, do_sample=True, top_k=20, max_new_tokens=3 * W, pad_token_id=PAD)
-    assert torch.equal(sampled, again)
+    beams = {}
+    for use_cache in (True, False):
+        beams[use_cache] = model.generate(ids, num_beams=3, max_new_tokens=3 * W, do_sample=False,
+                                          pad_token_id=PAD, use_cache=use_cache)
+    assert beams[True].shape == (2, 11 + 3 * W)
+    assert torch.equal(beams[True], beams[False])
+    sampled = {}
+    for use_cache in (True, False):
+        torch.manual_seed(0)
+        sampled[use_cache] = model.generate(ids, do_sample=True, top_k=20, max_new_tokens=3 * W, pad_token_id=PAD,
+                                            use_cache=use_cache)
+    assert torch.equal(sampled[True], sampled[False])
 
 
-def test_long_prompt_is_prefilled_block_by_block():
+def test_generation_continues_from_a_returned_cache():
     model = perturbed_model(tiny_config())
-    ids = prompt(1, 10 * W + 3)
-    calls = []
-    model.model.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs["input_ids"].shape[1]),
-                                          with_kwargs=True)
-    with torch.no_grad():
-        cached = model(ids, past_key_values=LexCache(model.config), use_cache=True, logits_to_keep=1).logits
-        assert max(calls) == W and len(calls) == 11
-        torch.testing.assert_close(cached[0, -1], model(ids).logits[0, -1], atol=1e-5, rtol=1e-5)
+    first = greedy(model, prompt(1, 3 * W + 3), max_new_tokens=W)
+    longer = torch.cat([first.sequences, prompt(1, 20, seed=3)], dim=1)
+    continued = greedy(model, longer, past_key_values=first.past_key_values, max_new_tokens=W)
+    fresh = greedy(model, longer, max_new_tokens=W)
+    assert torch.equal(continued.sequences, fresh.sequences)
+    torch.testing.assert_close(torch.stack(continued.logits), torch.stack(fresh.logits), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_forty_window_prompt_is_finite_in_half_precision(dtype):
-    model = perturbed_model(tiny_config()).to(dtype)
-    out = greedy(model, prompt(1, 40 * W), max_new_tokens=W)
-    assert all(torch.isfinite(step).all() for step in out.logits)
-
-
-def test_positions_shifted_by_a_million_generate_the_same_tokens():
+def test_inputs_embeds_prompt_generates_as_input_ids():
     model = perturbed_model(tiny_config())
-    ids = prompt(1, 2 * W + 5)
-    cache = LexCache(model.config)
-    shifted = ids.new_tensor(range(ids.shape[1]))[None] + 1_000_000
-    tokens = {}
-    with torch.no_grad():
-        for name, positions in (("near", None), ("far", shifted)):
-            cache = LexCache(model.config)
-            logits = model(ids, position_ids=positions, past_key_values=cache, use_cache=True).logits[:, -1]
-            generated = []
-            next_position = ids.shape[1] + (1_000_000 if positions is not None else 0)
-            for _ in range(3 * W):
-                token = logits.argmax(-1, keepdim=True)
-                generated.append(token.item())
-                step_position = torch.tensor([[next_position]]) if positions is not None else None
-                logits = model(token, position_ids=step_position, past_key_values=cache, use_cache=True).logits[:, -1]
-                next_position += 1
-            tokens[name] = generated
-    assert tokens["near"] == tokens["far"]
+    ids = prompt(1, 3 * W + 3)
+    from_ids = greedy(model, ids, max_new_tokens=W)
+    from_embeds = greedy(model, None, inputs_embeds=model.get_input_embeddings()(ids).detach(), max_new_tokens=W)
+    assert torch.equal(from_embeds.sequences, from_ids.sequences[:, ids.shape[1] :])
 
 
 def test_dynamic_cache_passed_by_hand_gives_the_same_logits():
@@ -147,14 +205,52 @@ def test_dynamic_cache_passed_by_hand_gives_the_same_logits():
         torch.testing.assert_close(torch.cat([first, second], 1), model(ids).logits, atol=1e-5, rtol=1e-5)
 
 
-def test_streamer_and_pipeline(tmp_path):
+def test_default_length_after_a_prompt_longer_than_training():
+    """transformers caps its default max_length at max_position_embeddings; LEX gets 20 new tokens, no warning."""
+    model = perturbed_model(tiny_config())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = model.generate(prompt(1, 3 * W), pad_token_id=PAD)
+    assert out.shape[1] == 3 * W + 20
+
+
+# ---------------------------------------------------------------- positions far away, half precision
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_positions_shifted_by_a_million_generate_the_same(dtype):
+    model = perturbed_model(tiny_config()).to(dtype)
+    ids = prompt(1, 2 * W + 5)
+    near = greedy(model, ids, max_new_tokens=3 * W)
+    far = greedy(model, ids, position_ids=torch.arange(ids.shape[1])[None] + 1_000_000, max_new_tokens=3 * W)
+    assert torch.equal(near.sequences, far.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(near.logits, far.logits))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_forty_window_prompt_is_finite_in_half_precision(dtype):
+    model = perturbed_model(tiny_config()).to(dtype)
+    out = greedy(model, prompt(1, 40 * W), max_new_tokens=W)
+    assert all(torch.isfinite(step).all() for step in out.logits)
+
+
+# ---------------------------------------------------------------- streaming, pipeline, CLI
+
+
+def word_tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, pipeline
+    from transformers import PreTrainedTokenizerFast
 
     words = [f"w{i}" for i in range(96)]
     backend = Tokenizer(models.WordLevel({w: i + 1 for i, w in enumerate(words)} | {"<pad>": 0}, unk_token="<pad>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>"), words
+
+
+def test_streamer_and_pipeline():
+    from transformers import pipeline
+
+    tokenizer, words = word_tokenizer()
     model = perturbed_model(tiny_config())
     model.generation_config = GenerationConfig(pad_token_id=0)
     streamed = []
@@ -169,7 +265,36 @@ def test_streamer_and_pipeline(tmp_path):
     generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
     text = " ".join(words[:25])
     generated = generator(text, max_new_tokens=W, do_sample=False)[0]["generated_text"]
-    assert generated.startswith(text) and len(generated) > len(text) + W
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    expected = model.generate(ids, max_new_tokens=W, do_sample=False)[0, ids.shape[1] :]
+    assert generated.startswith(text) and generated[len(text) :].split() == tokenizer.decode(expected).split()
+
+
+def test_cli_streams_the_greedy_continuation(tmp_path, capsys):
+    from lex.cli import main as lex
+
+    tokenizer, words = word_tokenizer()
+    model = perturbed_model(tiny_config())
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    text = " ".join(words[i % 96] for i in range(5 * W + 7))
+    (tmp_path / "prompt.txt").write_text(text)
+    assert lex(["generate", str(tmp_path / "model"), "--prompt-file", str(tmp_path / "prompt.txt"),
+                "--max-new-tokens", str(2 * W)]) == 0
+    captured = capsys.readouterr()
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    expected = model.generate(ids, max_new_tokens=2 * W, do_sample=False, pad_token_id=PAD)[0, ids.shape[1] :]
+    assert captured.out.split() == tokenizer.decode(expected).split()
+    assert f"prompt: {ids.shape[1]} tokens" in captured.err and "tok/s" in captured.err  # the progress bar
+    held = int(captured.err.split("the cache holds ")[1].split()[0])
+    assert held < W
+    with pytest.raises(SystemExit):
+        lex(["generate", str(tmp_path / "model"), "--prompt-file", str(tmp_path / "prompt.txt"),
+             "--max-new-tokens", "0"])
+    assert "--max-new-tokens must be >= 1" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- errors
 
 
 def test_bad_generate_input_raises_clearly():
@@ -180,5 +305,13 @@ def test_bad_generate_input_raises_clearly():
         model.generate(prompt(1, 5), max_new_tokens=-1, pad_token_id=PAD)
     wrong = torch.ones(2, 7, dtype=torch.long)
     wrong[1, :2] = 0  # a padded mask for a longer prompt
-    with pytest.raises(ValueError, match="attention_mask"):
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(2, 7\) but the prompt has \(2, 5\)"):
         model.generate(prompt(2, 5), attention_mask=wrong, max_new_tokens=3, pad_token_id=PAD)
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(1, 5\) but the prompt has \(2, 5\)"):
+        model.generate(prompt(2, 5), attention_mask=wrong[1:, :5], max_new_tokens=3, pad_token_id=PAD)
+    with pytest.raises(ValueError, match="cache_implementation='static' is not supported"):
+        model.generate(prompt(1, 5), cache_implementation="static", max_new_tokens=3, pad_token_id=PAD)
+    out = greedy(model, prompt(1, 3 * W), max_new_tokens=2)
+    assert not out.past_key_values.is_croppable
+    with pytest.raises(NotImplementedError, match="cannot be cropped"):
+        out.past_key_values.crop(-1)
