@@ -31,7 +31,8 @@ class LexConfig(PreTrainedConfig):
         normalize_before: pre-norm layers with a final layer norm (True) or post-norm (False).
         subln: TorchScale's sub-LayerNorms (on the attention output before out_proj and on the FFN
             activation before fc2).
-        deepnorm: DeepNet residual scaling alpha = (2N)^(1/4) with post-norm.
+        deepnorm: DeepNet residual scaling alpha = (2N)^(1/4) (post-norm in TorchScale's Decoder; fairseq's
+            `lm_base --deepnorm` keeps pre-norm, so both combinations are allowed).
         layernorm_embedding: a LayerNorm on the scaled embeddings.
         embedding_scale: multiplier of the token embeddings (TorchScale: 1 or sqrt(hidden_size)).
         sandwich_dim: d' of the sinusoidal vectors whose inner products make the Sandwich bias.
@@ -128,8 +129,6 @@ class LexConfig(PreTrainedConfig):
             value = getattr(self, field)
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"LexConfig.{field}={value!r} must lie in [0, 1)")
-        if self.deepnorm and self.normalize_before:
-            raise ValueError("LexConfig.deepnorm=True needs normalize_before=False (DeepNet is post-norm)")
         if self.absolute_position_offset < 0:
             raise ValueError(
                 f"LexConfig.absolute_position_offset={self.absolute_position_offset!r} must be >= 0"

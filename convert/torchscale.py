@@ -1,306 +1,482 @@
-"""TorchScale / fairseq-TorchScale checkpoints <-> LEX HF folders.
+"""TorchScale / fairseq-TorchScale language models <-> LEX Hugging Face folders.
 
-    lex convert-torchscale CHECKPOINT OUT_DIR [--config CONFIG.json] [--tokenizer DIR] [--dtype ...] [--force]
-    lex convert-to-torchscale HF_DIR OUT.pt        # writes OUT.pt (Decoder state dict) and OUT.json (its config)
+    lex convert-torchscale CHECKPOINT OUT_DIR [--config CONFIG.json] [--tokenizer DIR] [--dtype DTYPE]
+                           [--attention-mode MODE] [--force]
+    lex convert-to-torchscale HF_DIR OUT.pt [--format auto|decoder|fairseq] [--force]
 
-CHECKPOINT is a TorchScale `Decoder` state dict saved with torch.save (its `DecoderConfig` keyword arguments
-in --config), or a fairseq-trained TorchScale LM checkpoint (`model` with `decoder.`-prefixed keys and the
-hyper-parameters in `cfg["model"]` or the older `args`). Checkpoints are read with weights_only=True: a pickle
-that would run code is refused, never executed. The output is built in a temporary folder and moved into
-place only when complete.
+CHECKPOINT is a TorchScale 0.3.0 `Decoder` state dict saved with torch.save, with its `DecoderConfig` keyword
+arguments as JSON in --config, or a fairseq-trained TorchScale LM checkpoint (`model` holding `decoder.` keys,
+hyper-parameters in `cfg["model"]` or the older `args`), read without --config. Checkpoints are opened with
+torch.load(weights_only=True): a pickle that would run code is refused, never executed. OUT_DIR appears only
+once complete. The converted model attends blockwise (LEX's BCA) with a window of the training length l
+(or the LEX fork's `block_size`), which equals TorchScale's full attention on inputs up to that window;
+--attention-mode full keeps TorchScale's attention beyond it.
+
+The reverse writes OUT.pt as a `Decoder` state dict plus OUT.json (its DecoderConfig arguments), or, for
+models with fairseq's sinusoidal positions (--format fairseq), a fairseq-style checkpoint that
+`lex convert-torchscale` reads back without --config.
 """
 
 import argparse
 import json
 import math
 import re
-import shutil
 import sys
-import tempfile
 from argparse import Namespace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-# TorchScale 0.3.0 DecoderConfig defaults for the fields a dense decoder LM uses.
+from .checkpoint import ConversionError, Unresolved, atomic_directory, atomic_files, load_checkpoint
+from .checkpoint import resolve_interpolations
+
+# TorchScale 0.3.0 `DecoderConfig` fields and defaults (torchscale/architecture/config.py).
 DECODER_DEFAULTS = {
     "decoder_embed_dim": 768, "decoder_attention_heads": 12, "decoder_ffn_embed_dim": 3072, "decoder_layers": 12,
-    "decoder_normalize_before": True, "activation_fn": "gelu", "dropout": 0.0, "attention_dropout": 0.0,
-    "activation_dropout": 0.0, "no_scale_embedding": True, "layernorm_embedding": False, "deepnorm": False,
-    "subln": True, "share_decoder_input_output_embed": False, "max_target_positions": 1024, "layernorm_eps": 1e-5,
-    "xpos_rel_pos": False, "xpos_scale_base": 512, "vocab_size": -1,
+    "decoder_normalize_before": True, "activation_fn": "gelu", "dropout": 0.0, "drop_path_rate": 0.0,
+    "attention_dropout": 0.0, "activation_dropout": 0.0, "no_scale_embedding": True, "layernorm_embedding": False,
+    "moe_freq": 0, "moe_top1_expert": False, "moe_expert_count": 0, "moe_gating_use_fp32": True,
+    "moe_eval_capacity_token_fraction": 0.25, "moe_second_expert_policy": "random",
+    "moe_normalize_gate_prob_before_dropping": False, "use_xmoe": False, "rel_pos_buckets": 0, "max_rel_pos": 0,
+    "deepnorm": False, "subln": True, "bert_init": False, "multiway": False,
+    "share_decoder_input_output_embed": False, "max_target_positions": 1024, "no_output_layer": False,
+    "layernorm_eps": 1e-5, "vocab_size": -1, "checkpoint_activations": False, "fsdp": False, "ddp_rank": 0,
+    "xpos_rel_pos": False, "xpos_scale_base": 512,
+    "block_size": -1,  # added by the LEX authors' fork: its BCA window (-1: full attention)
 }
-# fairseq's LM defaults differ (DESIGN.md section 5).
+# fairseq's `lm` model builds `DecoderConfig()` and overrides it with its own options, whose defaults differ
+# (TorchScale examples/fairseq/models/language_modeling.py; `lm_base` forces pre-norm).
 FAIRSEQ_DEFAULTS = {
-    **DECODER_DEFAULTS, "activation_fn": "relu", "no_scale_embedding": False, "subln": False,
-    "no_token_positional_embeddings": False, "decoder_learned_pos": False,
+    **DECODER_DEFAULTS, "activation_fn": "relu", "dropout": 0.1, "no_scale_embedding": False, "subln": False,
+    "no_token_positional_embeddings": False, "decoder_learned_pos": False, "tokens_per_sample": None,
 }
-# Options LexConfig cannot express: refused by name when set.
+FAIRSEQ_PADDING_IDX = 1  # fairseq Dictionary: <s>=0, <pad>=1, </s>=2
+ACTIVATIONS = ("gelu", "relu", "swish")
+XPOS_GAMMA = 0.4  # TorchScale's fixed xPos gamma
+
+# option -> (is it in use?, what LexConfig cannot express)
 REFUSED = {
-    "moe_freq": "mixture-of-experts layers", "moe_expert_count": "mixture-of-experts layers",
-    "use_xmoe": "mixture-of-experts layers", "multiway": "multiway (BEiT-3) networks",
-    "rel_pos_buckets": "bucketed relative position bias", "max_rel_pos": "bucketed relative position bias",
-    "decoder_learned_pos": "learned absolute positions", "no_output_layer": "a decoder without output layer",
+    "moe_freq": (lambda o: o["moe_freq"] != 0, "mixture-of-experts layers"),
+    "use_xmoe": (lambda o: bool(o["use_xmoe"]), "X-MoE routing"),
+    "multiway": (lambda o: bool(o["multiway"]), "multiway (BEiT-3) networks"),
+    "rel_pos_buckets": (lambda o: o["rel_pos_buckets"] > 0 and o["max_rel_pos"] > 0,
+                        "bucketed relative position bias (with max_rel_pos)"),
+    "decoder_learned_pos": (
+        lambda o: bool(o.get("decoder_learned_pos")) and not o.get("no_token_positional_embeddings"),
+        "learned absolute positions",
+    ),
+    "no_output_layer": (lambda o: bool(o["no_output_layer"]), "a decoder without output layer"),
 }
-ACTIVATIONS = {"gelu": "gelu", "relu": "relu", "swish": "swish"}
+# LexConfig field -> the TorchScale option it comes from, to name the source of a LexConfig refusal.
+SOURCE_OPTIONS = {
+    "hidden_size": "decoder_embed_dim", "num_attention_heads": "decoder_attention_heads",
+    "intermediate_size": "decoder_ffn_embed_dim", "num_hidden_layers": "decoder_layers",
+    "normalize_before": "decoder_normalize_before", "deepnorm": "deepnorm", "subln": "subln",
+    "hidden_act": "activation_fn", "layer_norm_eps": "layernorm_eps", "xpos_scale_base": "xpos_scale_base",
+    "max_position_embeddings": "max_target_positions", "attention_window": "block_size",
+    "hidden_dropout": "dropout", "attention_dropout": "attention_dropout", "activation_dropout": "activation_dropout",
+}
+
+# TorchScale Decoder key -> LEX key, and back; first match wins.
+TO_LEX = [
+    (r"embed_tokens\.", "model.embed_tokens."),
+    (r"layernorm_embedding\.", "model.layernorm_embedding."),
+    (r"layers\.(\d+)\.self_attn\.out_proj\.", r"model.layers.\1.self_attn.o_proj."),
+    (r"layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|inner_attn_ln)\.", r"model.layers.\1.self_attn.\2."),
+    (r"layers\.(\d+)\.ffn\.(fc1|fc2|ffn_layernorm)\.", r"model.layers.\1.mlp.\2."),
+    (r"layers\.(\d+)\.(self_attn_layer_norm|final_layer_norm)\.", r"model.layers.\1.\2."),
+    (r"layer_norm\.", "model.norm."),
+    (r"output_projection\.", "lm_head."),
+]
+TO_TORCHSCALE = [
+    (r"model\.layers\.(\d+)\.self_attn\.o_proj\.", r"layers.\1.self_attn.out_proj."),
+    (r"model\.layers\.(\d+)\.mlp\.", r"layers.\1.ffn."),
+    (r"model\.norm\.", "layer_norm."),
+    (r"model\.", ""),
+    (r"lm_head\.", "output_projection."),
+]
+# Constant buffers: TorchScale's per-layer xPos scale, the LEX fork's shared one, fairseq's sinusoidal table.
+XPOS_BUFFER = re.compile(r"(layers\.\d+\.self_attn\.xpos|self_attn_xpos)\.scale")
+SINUSOIDAL_BUFFERS = ("embed_positions._float_tensor", "embed_positions.weights")
+# Wrappers that fairscale/FSDP insert into parameter names.
+WRAPPER_SEGMENTS = re.compile(r"(_fsdp_wrapped_module|_fpw_module|_checkpoint_wrapped_module)\.")
 
 
-class ConversionError(ValueError):
-    pass
+def rename(key: str, rules: list[tuple[str, str]]) -> str | None:
+    for pattern, replacement in rules:
+        renamed, count = re.subn(f"^{pattern}", replacement, key)
+        if count:
+            return renamed
+    return None
 
 
-# ---------------------------------------------------------------- reading checkpoints safely
+def torchscale_xpos_scale(head_dim: int) -> torch.Tensor:
+    """TorchScale's `xpos.scale` buffer, zeta_i = (2i + 0.4 d) / (1.4 d), computed the way TorchScale does."""
+    return (torch.arange(0, head_dim, 2) + 0.4 * head_dim) / (1.4 * head_dim)
 
 
-def load_checkpoint(path: Path) -> dict:
-    """torch.load with weights_only=True; argparse.Namespace is the one non-container type allowed (fairseq)."""
-    try:
-        with torch.serialization.safe_globals([Namespace]):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise ConversionError(f"{path}: no such checkpoint") from None
-    except Exception as error:  # UnpicklingError and friends: the file asked for something unsafe
-        raise ConversionError(
-            f"refusing to load {path}: it is not a plain weights checkpoint and loading it would execute pickled "
-            f"code ({type(error).__name__}: {str(error).splitlines()[0][:200]})"
-        ) from None
+# ---------------------------------------------------------------- reading a TorchScale / fairseq checkpoint
 
 
-def _resolve(value, root: dict):
-    """Resolve simple omegaconf interpolations "${model.x}" / "${x}" against the cfg dict."""
-    while isinstance(value, str) and (match := re.fullmatch(r"\$\{([\w.]+)\}", value.strip())):
-        node = root
-        for part in match.group(1).split("."):
-            if not isinstance(node, dict) or part not in node:
-                raise ConversionError(f"cannot resolve interpolation {value!r} in the checkpoint's cfg")
-            node = node[part]
-        value = node
-    return value
+@dataclass
+class Source:
+    state: dict[str, torch.Tensor]  # TorchScale Decoder names
+    options: dict  # the DecoderConfig values the checkpoint's model was built with
+    fairseq: bool
+    prefix: str = ""  # how the file names the decoder's keys ("decoder." in fairseq checkpoints)
+    foreign: list[str] = field(default_factory=list)  # keys of the file outside the decoder
+    ignored: list[str] = field(default_factory=list)  # --config keys that DecoderConfig ignores
+
+    @property
+    def kind(self) -> str:
+        return "fairseq-TorchScale LM" if self.fairseq else "TorchScale Decoder"
+
+
+def strip_wrappers(state: dict) -> dict:
+    state = {WRAPPER_SEGMENTS.sub("", key): value for key, value in state.items()}
+    if state and all(key.startswith("module.") for key in state):
+        state = {key[len("module."):]: value for key, value in state.items()}
+    return state
 
 
 def fairseq_hyperparameters(checkpoint: dict) -> dict:
-    if checkpoint.get("cfg") is not None:
-        cfg = checkpoint["cfg"]
-        model = cfg.get("model") if isinstance(cfg, dict) else None
-        if isinstance(model, Namespace):
-            model = vars(model)
-        if not isinstance(model, dict):
-            raise ConversionError("the checkpoint's cfg has no 'model' section")
-        return {k: _resolve(v, cfg) for k, v in model.items()}
-    if isinstance(checkpoint.get("args"), Namespace):
-        return dict(vars(checkpoint["args"]))
-    raise ConversionError("a fairseq checkpoint needs its hyper-parameters in 'cfg' or 'args'")
+    """cfg["model"] (interpolations resolved, the task's tokens_per_sample added) or the older args Namespace."""
+    cfg, args = checkpoint.get("cfg"), checkpoint.get("args")
+    if isinstance(cfg, dict) and isinstance(cfg.get("model"), (dict, Namespace)):
+        model = cfg["model"] if isinstance(cfg["model"], dict) else vars(cfg["model"])
+        hyper = resolve_interpolations(model, cfg)
+        task = cfg.get("task") if isinstance(cfg.get("task"), dict) else {}
+        if hyper.get("tokens_per_sample") is None and "tokens_per_sample" in task:
+            hyper["tokens_per_sample"] = resolve_interpolations(task, cfg)["tokens_per_sample"]
+        return hyper
+    if isinstance(args, Namespace):
+        return dict(vars(args))
+    raise ConversionError("the fairseq checkpoint has neither cfg['model'] nor an args Namespace to read "
+                          "its hyper-parameters from")
 
 
-def read_source(path: Path, config_path: Path | None) -> tuple[dict, dict, bool]:
-    """(TorchScale Decoder state dict without prefix, DecoderConfig-style options, is_fairseq)."""
+def apply_decoder_config_rules(options: dict) -> dict:
+    """DecoderConfig.__init__'s precedence: deepnorm means post-norm without subln; subln means pre-norm."""
+    options = dict(options)
+    if options["deepnorm"]:
+        options["decoder_normalize_before"], options["subln"] = False, False
+    if options["subln"]:
+        options["decoder_normalize_before"], options["deepnorm"] = True, False
+    return options
+
+
+def read_source(path: Path, config_path: Path | None) -> Source:
     checkpoint = load_checkpoint(path)
     if not isinstance(checkpoint, dict):
-        raise ConversionError(f"{path} does not hold a state dict or a fairseq checkpoint")
-    if isinstance(checkpoint.get("model"), dict) and any(k.startswith("decoder.") for k in checkpoint["model"]):
-        state = {k[len("decoder."):]: v for k, v in checkpoint["model"].items() if k.startswith("decoder.")}
-        options = {**FAIRSEQ_DEFAULTS, **fairseq_hyperparameters(checkpoint)}
-        return state, options, True
+        raise ConversionError(f"{path} holds a {type(checkpoint).__name__}, not a state dict or a fairseq checkpoint")
+    model = checkpoint.get("model")
+    if isinstance(model, dict) and any(str(key).startswith("decoder.") for key in model):
+        if config_path is not None:
+            raise ConversionError(f"{path} is a fairseq checkpoint with its own hyper-parameters; drop --config")
+        model = strip_wrappers(model)
+        state = {key[len("decoder."):]: value for key, value in model.items() if key.startswith("decoder.")}
+        hyper = {key: value for key, value in fairseq_hyperparameters(checkpoint).items() if value is not None}
+        # fairseq's DecoderConfig().override(args) bypasses DecoderConfig's precedence rules.
+        options = {**FAIRSEQ_DEFAULTS, **hyper}
+        foreign = sorted(key for key in model if not key.startswith("decoder."))
+        return Source(state, options, fairseq=True, prefix="decoder.", foreign=foreign)
+    not_tensors = [str(key) for key, value in checkpoint.items() if not isinstance(value, torch.Tensor)]
+    if not_tensors:
+        raise ConversionError(f"{path} is neither a Decoder state dict nor a fairseq checkpoint: "
+                              f"{', '.join(not_tensors[:5])} {'is' if len(not_tensors) == 1 else 'are'} not tensors")
     if config_path is None:
-        raise ConversionError(f"{path} is a plain Decoder state dict: pass its DecoderConfig as --config CONFIG.json")
-    options = {**DECODER_DEFAULTS, **json.loads(Path(config_path).read_text())}
-    return checkpoint, options, False
+        raise ConversionError(f"{path} is a plain Decoder state dict: pass its DecoderConfig arguments as "
+                              "--config CONFIG.json")
+    try:
+        kwargs = json.loads(Path(config_path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ConversionError(f"--config {config_path}: {error}") from None
+    if not isinstance(kwargs, dict):
+        raise ConversionError(f"--config {config_path} must hold a JSON object of DecoderConfig keyword arguments")
+    options = apply_decoder_config_rules({**DECODER_DEFAULTS, **kwargs})
+    ignored = sorted(set(kwargs) - set(DECODER_DEFAULTS))
+    return Source(strip_wrappers(checkpoint), options, fairseq=False, ignored=ignored)
 
 
 # ---------------------------------------------------------------- TorchScale -> LEX
 
 
-def lex_config(options: dict, state: dict, fairseq: bool):
+def training_length(options: dict, fairseq: bool) -> int:
+    """fairseq trains on tokens_per_sample tokens; a Decoder's max_target_positions is its stated length."""
+    for key in ("tokens_per_sample", "max_target_positions") if fairseq else ("max_target_positions",):
+        value = options.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return DECODER_DEFAULTS["max_target_positions"]
+
+
+def lex_config(source: Source, attention_mode: str | None = None, special_ids: dict | None = None):
+    """The LexConfig of the model `source` describes, or a ConversionError naming the option at fault."""
     from configuration_lex import LexConfig
 
-    for key, what in REFUSED.items():
-        if options.get(key):
-            raise ConversionError(f"option {key}={options[key]!r} ({what}) cannot be expressed by LexConfig")
-    if any(k.startswith("embed_positions.") and not k.endswith("_float_tensor") for k in state):
-        raise ConversionError("option decoder_learned_pos (learned absolute positions) cannot be expressed by LexConfig")
-    deepnorm, subln, normalize_before = options["deepnorm"], options["subln"], options["decoder_normalize_before"]
-    if deepnorm:  # DecoderConfig's own precedence rules
-        normalize_before, subln = False, False
-    if subln:
-        normalize_before, deepnorm = True, False
-    activation = str(options["activation_fn"])
-    if activation not in ACTIVATIONS:
-        raise ConversionError(f"option activation_fn={activation!r} is not one of {list(ACTIVATIONS)}")
-    if "embed_tokens.weight" not in state:
-        raise ConversionError("missing key embed_tokens.weight")
-    vocab, hidden = state["embed_tokens.weight"].shape
-    tied = "output_projection.weight" not in state or bool(options["share_decoder_input_output_embed"])
-    if tied and "output_projection.weight" in state and not torch.equal(
-            state["output_projection.weight"], state["embed_tokens.weight"]):
-        raise ConversionError("share_decoder_input_output_embed is set but output_projection.weight differs "
-                              "from embed_tokens.weight")
-    length = int(options.get("tokens_per_sample") or options["max_target_positions"])
-    window = 2 * int(options["block_size"]) if options.get("block_size") else length
+    options, state = source.options, source.state
+    unresolved = [f"{key}={value}" for key, value in options.items()
+                  if isinstance(value, Unresolved) and (key in DECODER_DEFAULTS or key in FAIRSEQ_DEFAULTS)]
+    if unresolved:
+        raise ConversionError(f"cannot resolve the checkpoint's cfg interpolations {', '.join(unresolved)}")
+    for key, (in_use, what) in REFUSED.items():
+        if in_use(options):
+            raise ConversionError(f"option {key}={options[key]!r} ({what}) has no LexConfig equivalent; "
+                                  "refusing to convert")
+    if "embed_positions.weight" in state:
+        raise ConversionError(f"option decoder_learned_pos (learned absolute positions: key {source.prefix}"
+                              "embed_positions.weight) has no LexConfig equivalent; refusing to convert")
+    if options["activation_fn"] not in ACTIVATIONS:
+        raise ConversionError(f"option activation_fn={options['activation_fn']!r} is not one of {list(ACTIVATIONS)} "
+                              "(TorchScale's FeedForwardNetwork supports only these)")
+
     absolute = None
-    if fairseq and not options.get("no_token_positional_embeddings"):
+    has_positions = [key for key in state if key.startswith("embed_positions.")]
+    if source.fairseq and not options["no_token_positional_embeddings"]:
         absolute = "sinusoidal"
-    return LexConfig(
+    elif has_positions:
+        why = ("no_token_positional_embeddings is set" if source.fairseq
+               else "a plain Decoder state dict does not say which position module made it; convert the fairseq "
+                    "checkpoint instead")
+        raise ConversionError(f"unexpected keys {', '.join(source.prefix + k for k in has_positions)}: {why}")
+
+    embed = state.get("embed_tokens.weight")
+    if embed is None:
+        raise ConversionError(f"missing key {source.prefix}embed_tokens.weight")
+    vocab = int(embed.shape[0])
+    if int(options["vocab_size"]) > 0 and int(options["vocab_size"]) != vocab:
+        raise ConversionError(f"option vocab_size={options['vocab_size']} but {source.prefix}embed_tokens.weight "
+                              f"has {vocab} rows")
+    length = training_length(options, source.fairseq)
+    block = options.get("block_size")
+    window = block if isinstance(block, int) and block > 0 else length + length % 2
+    shared = bool(options["share_decoder_input_output_embed"])
+    hidden = int(options["decoder_embed_dim"])
+    fields = dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=int(options["decoder_ffn_embed_dim"]),
         num_hidden_layers=int(options["decoder_layers"]), num_attention_heads=int(options["decoder_attention_heads"]),
-        hidden_act=ACTIVATIONS[activation], max_position_embeddings=length, attention_window=window,
+        hidden_act=options["activation_fn"], max_position_embeddings=length,
+        attention_mode=attention_mode or "blockwise", attention_window=window,
         position_embedding_type="xpos" if options["xpos_rel_pos"] else "none",
-        xpos_scale_base=float(options["xpos_scale_base"]), layer_norm_eps=float(options["layernorm_eps"]),
-        hidden_dropout=float(options["dropout"]), attention_dropout=float(options["attention_dropout"]),
-        activation_dropout=float(options["activation_dropout"]), normalize_before=bool(normalize_before),
-        subln=bool(subln), deepnorm=bool(deepnorm), layernorm_embedding=bool(options["layernorm_embedding"]),
-        embedding_scale=1.0 if options["no_scale_embedding"] else math.sqrt(hidden), tie_word_embeddings=bool(tied),
-        absolute_position_embedding=absolute, absolute_position_offset=2,  # fairseq's padding_idx (1) + 1
-        # TorchScale's Decoder attends fully; the LEX fork's BCA block_size means blockwise attention.
-        attention_mode="blockwise" if options.get("block_size") else "full",
+        xpos_scale_base=float(options["xpos_scale_base"]), xpos_gamma=XPOS_GAMMA,
+        layer_norm_eps=float(options["layernorm_eps"]), hidden_dropout=float(options["dropout"]),
+        attention_dropout=float(options["attention_dropout"]), activation_dropout=float(options["activation_dropout"]),
+        normalize_before=bool(options["decoder_normalize_before"]), subln=bool(options["subln"]),
+        deepnorm=bool(options["deepnorm"]), layernorm_embedding=bool(options["layernorm_embedding"]),
+        embedding_scale=1.0 if options["no_scale_embedding"] else math.sqrt(hidden),
+        attention_bias=True, mlp_bias=True, tie_word_embeddings=shared,
+        absolute_position_embedding=absolute, absolute_position_offset=FAIRSEQ_PADDING_IDX + 1,
+        **(special_ids or {}),
     )
+    try:
+        return LexConfig(**fields)
+    except ValueError as error:
+        named = [f"{SOURCE_OPTIONS[name]}={options.get(SOURCE_OPTIONS[name])!r}" for name in SOURCE_OPTIONS
+                 if re.search(rf"\b{name}\b", str(error))]
+        raise ConversionError(f"the {source.kind}'s options ({', '.join(named) or 'see below'}) do not fit "
+                              f"LexConfig: {error}") from None
 
 
-RENAMES = [
-    (r"^embed_tokens\.", "model.embed_tokens."),
-    (r"^layernorm_embedding\.", "model.layernorm_embedding."),
-    (r"^layers\.(\d+)\.self_attn\.out_proj\.", r"model.layers.\1.self_attn.o_proj."),
-    (r"^layers\.(\d+)\.self_attn\.", r"model.layers.\1.self_attn."),
-    (r"^layers\.(\d+)\.ffn\.", r"model.layers.\1.mlp."),
-    (r"^layers\.(\d+)\.(self_attn_layer_norm|final_layer_norm)\.", r"model.layers.\1.\2."),
-    (r"^layer_norm\.", "model.norm."),
-    (r"^output_projection\.", "lm_head."),
-]
-
-
-def to_lex_state(state: dict, config) -> dict:
-    from modeling_lex.xpos import xpos_zeta
-
-    mapped = {}
-    for key, tensor in state.items():
-        if key.endswith("self_attn.xpos.scale"):
-            expected = xpos_zeta(config.head_dim, config.xpos_gamma, torch.device("cpu")).to(tensor.dtype)
-            if tensor.shape != expected.shape or not torch.allclose(tensor, expected):
-                raise ConversionError(f"{key} is not the xPos scale of head_dim {config.head_dim}")
+def to_lex_state(source: Source, config) -> tuple[dict, list[str]]:
+    """(state dict in LEX names, keys of the file that have no LEX counterpart)."""
+    mapped, unexpected = {}, list(source.foreign)
+    for key, tensor in source.state.items():
+        if XPOS_BUFFER.fullmatch(key) and config.position_embedding_type == "xpos":
+            expected = torchscale_xpos_scale(config.head_dim)
+            if tensor.shape != expected.shape or not torch.allclose(tensor.double(), expected.double(), rtol=1e-6):
+                raise ConversionError(f"{source.prefix}{key} is not TorchScale's xPos scale for head_dim "
+                                      f"{config.head_dim}")
             continue
-        if key.startswith("embed_positions.") or key == "version":
+        if key in SINUSOIDAL_BUFFERS and config.absolute_position_embedding == "sinusoidal":
             continue
-        for pattern, replacement in RENAMES:
-            if re.match(pattern, key):
-                mapped[re.sub(pattern, replacement, key)] = tensor
-                break
+        name = rename(key, TO_LEX)
+        if name is None:
+            unexpected.append(source.prefix + key)
         else:
-            raise ConversionError(f"unexpected key {key}")
-    if config.tie_word_embeddings:
-        mapped.pop("lm_head.weight", None)
-    return mapped
+            mapped[name] = tensor
+    if config.tie_word_embeddings and "lm_head.weight" in mapped:
+        if "model.embed_tokens.weight" in mapped and not torch.equal(mapped["lm_head.weight"],
+                                                                     mapped["model.embed_tokens.weight"]):
+            raise ConversionError(f"share_decoder_input_output_embed is set but {source.prefix}output_projection"
+                                  f".weight differs from {source.prefix}embed_tokens.weight")
+        del mapped["lm_head.weight"]
+    return mapped, unexpected
 
 
-def check_against(model, state: dict) -> None:
-    expected = {k: v for k, v in model.state_dict().items()
-                if not (model.config.tie_word_embeddings and k == "lm_head.weight")}
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    shapes = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(expected[k].shape)}"
-              for k in sorted(set(state) & set(expected)) if state[k].shape != expected[k].shape]
-    problems = ([f"missing keys: {', '.join(missing)}"] if missing else []) + (
-        [f"unexpected keys: {', '.join(unexpected)}"] if unexpected else []) + (
-        [f"shape mismatches: {'; '.join(shapes)}"] if shapes else [])
+def check_state(model, mapped: dict, unexpected: list[str], source: Source) -> None:
+    """Every key the model needs, nothing else, every shape right; the report uses the checkpoint's names."""
+    def source_name(lex_key: str) -> str:
+        return source.prefix + (rename(lex_key, TO_TORCHSCALE) or lex_key)
+
+    expected = model.state_dict()
+    if model.config.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    missing = [source_name(k) for k in expected if k not in mapped]
+    unexpected = unexpected + [source_name(k) for k in mapped if k not in expected]
+    shapes = [f"{source_name(k)} is {tuple(v.shape)}, the options need {tuple(expected[k].shape)}"
+              for k, v in mapped.items() if k in expected and v.shape != expected[k].shape]
+    problems = [f"{what}: {', '.join(items)}" for what, items in
+                (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatches", shapes)) if items]
     if problems:
-        raise ConversionError("; ".join(problems))
+        raise ConversionError(f"the {source.kind} does not match its options: " + "; ".join(problems))
 
 
-def atomic_folder(out_dir: Path, force: bool):
-    """A staging folder beside OUT_DIR; call the returned `commit()` to move it into place."""
-    if out_dir.exists() and not force:
-        raise ConversionError(f"{out_dir} exists; pass --force to replace it")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+def load_tokenizer(folder: Path | None):
+    if folder is None:
+        return None
+    if not Path(folder).is_dir():
+        raise ConversionError(f"--tokenizer {folder}: not a folder (a local tokenizer folder is needed)")
+    from transformers import AutoTokenizer
 
-    def commit() -> None:
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        staging.rename(out_dir)
-
-    return staging, commit
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError) as error:
+        raise ConversionError(f"--tokenizer {folder}: {error}") from None
 
 
-def convert_from_torchscale(checkpoint: Path, out_dir: Path, config_path: Path | None = None,
-                            tokenizer: Path | None = None, dtype: str = "float32", force: bool = False) -> Path:
-    import modeling_lex  # noqa: F401
+def convert_from_torchscale(
+    checkpoint: Path, out_dir: Path, config_path: Path | None = None, tokenizer: Path | None = None,
+    dtype: str | None = None, attention_mode: str | None = None, force: bool = False,
+):
+    """Write OUT_DIR (config.json, model.safetensors, the tokenizer if given); returns the LexConfig."""
     from modeling_lex import LexForCausalLM
 
-    state, options, fairseq = read_source(Path(checkpoint), config_path)
-    config = lex_config(options, state, fairseq)
-    mapped = to_lex_state(state, config)
+    if Path(out_dir).exists() and not force:
+        raise ConversionError(f"{out_dir} exists; pass --force to replace it")
+    source = read_source(Path(checkpoint), config_path)
+    tok = load_tokenizer(tokenizer)
+    if source.fairseq:
+        special_ids = dict(bos_token_id=0, pad_token_id=FAIRSEQ_PADDING_IDX, eos_token_id=2)
+    elif tok is not None:
+        special_ids = dict(bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    else:
+        special_ids = {}
+    config = lex_config(source, attention_mode, special_ids)
+    if tok is not None and len(tok) > config.vocab_size:
+        raise ConversionError(f"--tokenizer {tokenizer} has {len(tok)} tokens but the model's vocabulary has "
+                              f"{config.vocab_size}")
+    mapped, unexpected = to_lex_state(source, config)
     model = LexForCausalLM(config)
-    check_against(model, mapped)
+    check_state(model, mapped, unexpected, source)
     model.load_state_dict(mapped, strict=False)
-    model.tie_weights()
-    model.to(getattr(torch, dtype))
-    staging, commit = atomic_folder(Path(out_dir), force)
-    try:
+    target = getattr(torch, dtype) if dtype else mapped["model.embed_tokens.weight"].dtype
+    model.to(target)
+    with atomic_directory(Path(out_dir), force) as staging:
         model.save_pretrained(staging)
-        if tokenizer is not None:
-            from transformers import AutoTokenizer
-
-            AutoTokenizer.from_pretrained(tokenizer).save_pretrained(staging)
-        commit()
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
-    return Path(out_dir)
+        if tok is not None:
+            tok.save_pretrained(staging)
+    for key in source.ignored:
+        print(f"note: --config option {key!r} is not a DecoderConfig field; TorchScale ignores it, and so did this "
+              "conversion", file=sys.stderr)
+    return config
 
 
 # ---------------------------------------------------------------- LEX -> TorchScale
 
 
-def convert_to_torchscale(hf_dir: Path, out_path: Path, force: bool = False) -> tuple[Path, Path]:
-    from transformers import AutoModelForCausalLM
+def torchscale_options(config) -> dict:
+    """The DecoderConfig arguments (TorchScale names) of a LexConfig, or a ConversionError naming the field."""
+    def refuse(field_: str, why: str):
+        raise ConversionError(f"LexConfig.{field_}={getattr(config, field_)!r}: {why}")
 
-    import modeling_lex  # noqa: F401
-    from modeling_lex.xpos import xpos_zeta
-
-    model = AutoModelForCausalLM.from_pretrained(hf_dir)
-    config = model.config
     if config.position_embedding_type not in ("xpos", "none"):
-        raise ConversionError(f"position_embedding_type={config.position_embedding_type!r}: TorchScale's Decoder "
-                              "has only xPos (or no relative positions)")
-    if config.absolute_position_embedding or not (config.attention_bias and config.mlp_bias):
-        raise ConversionError("absolute positions or bias-free projections have no TorchScale Decoder equivalent")
-    if config.embedding_scale not in (1.0, math.sqrt(config.hidden_size)):
-        raise ConversionError(f"embedding_scale={config.embedding_scale}: TorchScale scales by 1 or sqrt(d)")
-    out_path, config_path = Path(out_path), Path(out_path).with_suffix(".json")
-    if (out_path.exists() or config_path.exists()) and not force:
-        raise ConversionError(f"{out_path} or {config_path} exists; pass --force to replace them")
-    state = {}
-    inverse = [(r"^model\.layers\.(\d+)\.self_attn\.o_proj\.", r"layers.\1.self_attn.out_proj."),
-               (r"^model\.layers\.(\d+)\.mlp\.", r"layers.\1.ffn."), (r"^model\.norm\.", "layer_norm."),
-               (r"^model\.", ""), (r"^lm_head\.", "output_projection.")]
-    for key, tensor in model.state_dict().items():
-        for pattern, replacement in inverse:
-            if re.match(pattern, key):
-                state[re.sub(pattern, replacement, key)] = tensor.clone()
-                break
-    if config.position_embedding_type == "xpos":
-        scale = xpos_zeta(config.head_dim, config.xpos_gamma, torch.device("cpu")).float()
-        for layer in range(config.num_hidden_layers):
-            state[f"layers.{layer}.self_attn.xpos.scale"] = scale.clone()
+        refuse("position_embedding_type", "TorchScale's Decoder has xPos or no relative positions, nothing else")
+    if config.position_embedding_type == "xpos" and config.xpos_gamma != XPOS_GAMMA:
+        refuse("xpos_gamma", f"TorchScale's xPos fixes gamma at {XPOS_GAMMA}")
+    for field_ in ("attention_bias", "mlp_bias"):
+        if not getattr(config, field_):
+            refuse(field_, "TorchScale's projections all have biases")
+    scaled = math.isclose(config.embedding_scale, math.sqrt(config.hidden_size), rel_tol=1e-12)
+    if config.embedding_scale != 1.0 and not scaled:
+        refuse("embedding_scale", f"TorchScale scales embeddings by 1 or sqrt(hidden_size) = "
+                                  f"{math.sqrt(config.hidden_size)}")
+    if config.absolute_position_embedding and config.absolute_position_offset != FAIRSEQ_PADDING_IDX + 1:
+        refuse("absolute_position_offset", f"fairseq's positions start at padding_idx + 1 = {FAIRSEQ_PADDING_IDX + 1}")
     options = {
         "decoder_embed_dim": config.hidden_size, "decoder_attention_heads": config.num_attention_heads,
         "decoder_ffn_embed_dim": config.intermediate_size, "decoder_layers": config.num_hidden_layers,
         "decoder_normalize_before": config.normalize_before, "activation_fn": config.hidden_act,
         "dropout": config.hidden_dropout, "attention_dropout": config.attention_dropout,
-        "activation_dropout": config.activation_dropout, "no_scale_embedding": config.embedding_scale == 1.0,
+        "activation_dropout": config.activation_dropout, "no_scale_embedding": not scaled,
         "layernorm_embedding": config.layernorm_embedding, "deepnorm": config.deepnorm, "subln": config.subln,
         "share_decoder_input_output_embed": config.tie_word_embeddings,
         "max_target_positions": config.max_position_embeddings, "layernorm_eps": config.layer_norm_eps,
         "xpos_rel_pos": config.position_embedding_type == "xpos", "xpos_scale_base": config.xpos_scale_base,
         "vocab_size": config.vocab_size,
     }
-    if config.attention_window != config.max_position_embeddings:
-        options["block_size"] = config.attention_window // 2
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out_path.parent) as staging:
-        torch.save(state, Path(staging) / "state.pt")
-        (Path(staging) / "config.json").write_text(json.dumps(options, indent=2))
-        (Path(staging) / "state.pt").replace(out_path)
-        (Path(staging) / "config.json").replace(config_path)
-    return out_path, config_path
+    if config.attention_mode != "full":
+        options["block_size"] = config.attention_window  # the LEX fork's BCA window; TorchScale 0.3.0 ignores it
+    return options
+
+
+def torchscale_state(model) -> dict:
+    config = model.config
+    state = {}
+    for key, tensor in model.state_dict().items():
+        name = rename(key, TO_TORCHSCALE)
+        if name is None:
+            raise ConversionError(f"{key} has no TorchScale counterpart")
+        state[name] = tensor.detach()
+    if config.tie_word_embeddings:
+        state["output_projection.weight"] = state["embed_tokens.weight"]
+    if config.position_embedding_type == "xpos":
+        for layer in range(config.num_hidden_layers):
+            state[f"layers.{layer}.self_attn.xpos.scale"] = torchscale_xpos_scale(config.head_dim)
+    return state
+
+
+def convert_to_torchscale(hf_dir: Path, out_path: Path, fmt: str = "auto", force: bool = False) -> list[Path]:
+    """Write OUT.pt (+ OUT.json for a Decoder state dict); returns the paths written."""
+    import modeling_lex  # noqa: F401  (registers the Auto classes)
+    from transformers import AutoModelForCausalLM
+
+    if not Path(hf_dir).is_dir():
+        raise ConversionError(f"{hf_dir}: not a model folder")
+    out_path = Path(out_path)
+    config_path = out_path.with_suffix(".json")
+    if config_path == out_path:
+        raise ConversionError(f"{out_path}: name the checkpoint OUT.pt; its config goes to OUT.json")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(hf_dir))
+    except (OSError, ValueError) as error:
+        raise ConversionError(f"{hf_dir}: cannot load a model from it: {error}") from None
+    config = model.config
+    if getattr(config, "model_type", None) != "lex":
+        raise ConversionError(f"{hf_dir} holds a {config.model_type!r} model, not a LEX one")
+    if fmt == "auto":
+        fmt = "fairseq" if config.absolute_position_embedding else "decoder"
+    options = torchscale_options(config)
+    state = torchscale_state(model)
+    if fmt == "decoder":
+        if config.absolute_position_embedding:
+            raise ConversionError(f"LexConfig.absolute_position_embedding={config.absolute_position_embedding!r}: "
+                                  "a TorchScale Decoder state dict cannot carry fairseq's positions; "
+                                  "use --format fairseq")
+        changed = [f"{key} {options[key]} -> {value}" for key, value in apply_decoder_config_rules(options).items()
+                   if value != options[key]]
+        if changed:
+            raise ConversionError(f"DecoderConfig's deepnorm/subln precedence would change {', '.join(changed)}; "
+                                  "use --format fairseq, whose checkpoints keep these options as they are")
+        targets = [out_path, config_path]
+    else:
+        hyper = {**options, "no_token_positional_embeddings": not config.absolute_position_embedding,
+                 "decoder_learned_pos": False, "tokens_per_sample": config.max_position_embeddings}
+        state = {f"decoder.{key}": value for key, value in state.items()}
+        if config.absolute_position_embedding:
+            state["decoder.embed_positions._float_tensor"] = torch.zeros(1)
+        targets = [out_path]
+    with atomic_files(targets, force) as staging:
+        if fmt == "decoder":
+            torch.save(state, staging / out_path.name)
+            (staging / config_path.name).write_text(json.dumps(options, indent=2) + "\n")
+        else:
+            cfg = {"model": {"_name": "lm", **hyper}, "task": {"tokens_per_sample": config.max_position_embeddings}}
+            torch.save({"model": state, "cfg": cfg}, staging / out_path.name)
+    if config.attention_mode != "blockwise":
+        print(f"note: TorchScale has no attention_mode={config.attention_mode!r}; pass --attention-mode "
+              f"{config.attention_mode} when converting back", file=sys.stderr)
+    return targets
 
 
 # ---------------------------------------------------------------- command line
@@ -309,34 +485,41 @@ def convert_to_torchscale(hf_dir: Path, out_path: Path, force: bool = False) -> 
 def main_from_torchscale(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lex convert-torchscale", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", type=Path)
-    parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--config", type=Path, help="DecoderConfig keyword arguments (JSON) of a plain state dict")
-    parser.add_argument("--tokenizer", type=Path, help="a tokenizer folder to save with the model")
-    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    parser.add_argument("checkpoint", type=Path, help="a Decoder state dict (.pt) or a fairseq checkpoint")
+    parser.add_argument("out_dir", type=Path, help="the HF folder to write")
+    parser.add_argument("--config", type=Path, help="JSON of the DecoderConfig keyword arguments (plain state dicts)")
+    parser.add_argument("--tokenizer", type=Path, help="a local tokenizer folder to save with the model")
+    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
+                        help="weights dtype (default: the checkpoint's)")
+    parser.add_argument("--attention-mode", choices=["blockwise", "sliding", "full"],
+                        help="default blockwise (LEX's BCA; the same as TorchScale up to the window)")
     parser.add_argument("--force", action="store_true", help="replace an existing OUT_DIR")
     args = parser.parse_args(argv)
     try:
-        out = convert_from_torchscale(args.checkpoint, args.out_dir, args.config, args.tokenizer, args.dtype,
-                                      args.force)
-    except (ConversionError, OSError, json.JSONDecodeError) as error:
+        config = convert_from_torchscale(args.checkpoint, args.out_dir, args.config, args.tokenizer, args.dtype,
+                                         args.attention_mode, args.force)
+    except (ConversionError, OSError) as error:
         print(f"lex convert-torchscale: {error}", file=sys.stderr)
         return 2
-    print(f"converted {args.checkpoint} -> {out}")
+    positions = config.position_embedding_type + (" + sinusoidal" if config.absolute_position_embedding else "")
+    print(f"{args.checkpoint} -> {args.out_dir}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+          f"positions {positions}, {config.attention_mode} attention (window {config.attention_window})")
     return 0
 
 
 def main_to_torchscale(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lex convert-to-torchscale", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("hf_dir", type=Path)
-    parser.add_argument("out", type=Path, help="OUT.pt; the DecoderConfig goes to OUT.json")
-    parser.add_argument("--force", action="store_true")
+    parser.add_argument("hf_dir", type=Path, help="a LEX model folder")
+    parser.add_argument("out", type=Path, help="OUT.pt (a Decoder state dict also gets OUT.json, its config)")
+    parser.add_argument("--format", choices=["auto", "decoder", "fairseq"], default="auto",
+                        help="auto: fairseq if the model has fairseq's sinusoidal positions, else decoder")
+    parser.add_argument("--force", action="store_true", help="replace existing outputs")
     args = parser.parse_args(argv)
     try:
-        state_path, config_path = convert_to_torchscale(args.hf_dir, args.out, args.force)
+        written = convert_to_torchscale(args.hf_dir, args.out, args.format, args.force)
     except (ConversionError, OSError) as error:
         print(f"lex convert-to-torchscale: {error}", file=sys.stderr)
         return 2
-    print(f"converted {args.hf_dir} -> {state_path} + {config_path}")
+    print(f"{args.hf_dir} -> {' + '.join(map(str, written))}")
     return 0
