@@ -115,7 +115,7 @@ def load_tokenizer(model_args: ModelArguments, documents):
     if source:
         try:
             return AutoTokenizer.from_pretrained(source)
-        except OSError:
+        except (OSError, ValueError):  # a model folder without tokenizer files (e.g. a converted checkpoint)
             if model_args.tokenizer_name:
                 raise
     return train_tokenizer((text for text in documents["train"]["text"]), model_args.vocab_size)

@@ -1,6 +1,7 @@
 """`lex train` on the HF Trainer: loss falls, folders load, DDP matches one process, resume is exact, errors are clean."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -155,3 +156,21 @@ def test_tokenizer_round_trips_text():
     text = "And God said, Let there be light: and there was light."
     assert tokenizer.decode(tokenizer(text).input_ids) == text
     assert torch.tensor(tokenizer(text).input_ids).max() < 400
+
+
+def test_fine_tune_a_converted_torchscale_folder(trained, corpus, tmp_path):
+    """A folder made by `lex convert-torchscale` fine-tunes with `lex train` (embeddings resized to the new BPE)."""
+    from tests.test_convert import BASE as DECODER, torchscale_decoder
+
+    options = {**DECODER, "max_target_positions": 64}
+    (tmp_path / "config.json").write_text(json.dumps(options))
+    torch.save(torchscale_decoder(options, seed=0).state_dict(), tmp_path / "decoder.pt")
+    converted = tmp_path / "converted"
+    assert lex(["convert-torchscale", str(tmp_path / "decoder.pt"), str(converted), "--config",
+                str(tmp_path / "config.json")]) == 0
+    out = tmp_path / "tuned"
+    assert lex(["train", "--output_dir", str(out), "--model_name_or_path", str(converted),
+                "--train_files", f"{corpus}/*.txt", "--max_steps", "5", "--save_strategy", "no", *BASE]) == 0
+    tuned = AutoModelForCausalLM.from_pretrained(out)
+    assert tuned.config.hidden_size == 32 and tuned.config.vocab_size >= 512
+    assert len(losses(out)) == 5 and all(math.isfinite(x) for x in losses(out))
