@@ -1,17 +1,22 @@
 """One attention path for full, blockwise (BCA) and sliding attention, computed in O(n*w).
 
-The model builds an `AttentionPlan` once per forward: which keys each query may see (the mode's window as a
-boolean mask, i.e. as data), and the position factors of queries and keys relative to an anchor inside each
-window. Every layer then runs the same code on its own q, k, v:
+The model builds an `AttentionPlan` once per forward: which keys each query may see (the mode's window, causal
+order, padding and document boundaries, as one additive mask: data), and the position factors of queries and
+keys relative to an anchor inside each window. Every layer then runs the same code on its own q, k, v:
 
-- a *dense* tile: one group of queries against one span of keys (short inputs, decoding steps, and full
-  attention, which walks long inputs in query chunks so no position is ever taken far from its anchor);
+- a *dense* tile: one group of queries against one span of keys (short inputs, decoding steps, attention maps,
+  and full attention, which walks long inputs in query chunks so no position is ever taken far from its anchor);
 - an *unfolded* tile: the queries cut into chunks of c = w/2 and each chunk paired with the L + c keys it can
-  reach (L = b for aligned blockwise blocks, 2b - 1 for blocks shifted by left padding, w - 1 for sliding),
-  all chunks in one batched attention call. Time and memory are O(n * (L + c)), never n x n.
+  reach (L = b for aligned blockwise blocks, w - 1 otherwise), all chunks in one batched attention call. Time
+  and memory are O(n * (L + c)), never n x n.
 
-Block membership is counted from each row's first real token (its `origin`), so a left-padded row is split
-into the same blocks as the row alone.
+Documents: a row may hold several documents (padding-free packing: `position_ids` restart at each document) or
+start with padding. Each query sees only keys of its own document, and blockwise blocks are counted from the
+document's first token, so every document is computed exactly as it would be alone.
+
+No decision here reads tensor contents on the host: what needs a Python value comes from shapes or from
+`AttentionContext.causal_only`, which the model sets from what the caller passed. So the forward compiles
+without graph breaks.
 """
 
 from collections.abc import Callable
@@ -25,18 +30,21 @@ from .xpos import alibi_bias, apply_rotary, rotary_factors, sandwich_bias
 
 @dataclass
 class AttentionContext:
-    """Where the keys of one forward come from (shared by all layers).
+    """Where the keys of one forward come from and what each query may see (shared by all layers).
 
-    Keys are the `cached` keys held from earlier forwards followed by the new tokens' keys. Absolute indices:
-    new tokens are `seen .. seen+T-1`, cached keys `seen-cached .. seen-1`.
+    Keys are the keys a cache holds from earlier forwards followed by the new tokens' keys. `query_index` and
+    `key_index` count tokens from the start of the stream (the cache's first token), so a window is a
+    difference of indices; keys of empty static-cache slots are not `key_valid`.
     """
 
     query_positions: torch.Tensor  # (B, T) position ids of the new tokens
-    key_positions: torch.Tensor  # (B, cached + T)
-    key_valid: torch.Tensor  # (B, cached + T) bool: not padding
-    origin: torch.Tensor  # (B,) absolute index of each row's first real token
-    seen: int  # absolute index of the first new token
-    cached: int  # number of cached keys in front of the new ones
+    key_positions: torch.Tensor  # (B, K) position ids of every key
+    key_valid: torch.Tensor  # (B, K) bool: a real token (not padding, not an empty slot)
+    query_index: torch.Tensor  # (T,) stream index of each new token
+    key_index: torch.Tensor  # (K,) stream index of each key
+    document_start: torch.Tensor  # (B, T) stream index of the first token of each query's document
+    causal_only: bool = False  # one document, no padding, no cache: plain causal attention is exact
+    allowed: torch.Tensor | None = None  # (B, 1, T, K) bool from a caller's own 4D mask, on top of the window
 
 
 @dataclass
@@ -44,28 +52,81 @@ class Tile:
     """A group of queries against the keys they may see, with everything position-dependent precomputed."""
 
     query_slice: slice  # which new tokens
-    key_slice: slice  # which keys (dense) / ignored (unfolded)
+    key_slice: slice | None  # which keys (dense tile); None for an unfolded tile
     factors: tuple[torch.Tensor, ...] | None  # cos_q, sin_q, cos_k, sin_k in the tile's layout
-    mask: torch.Tensor | None  # bool (True = may attend) until build_plan makes it additive; None = plain causal
-    bias: torch.Tensor | None  # fixed additive float bias (ALiBi, Sandwich), tile layout
+    mask: torch.Tensor | None  # additive mask (0 = may attend) with any fixed bias folded in; None = plain causal
     distance: torch.Tensor | None = None  # query-minus-key position, for biases the layers learn (KERPLE)
-    unfold: tuple[int, int] | None = None  # (chunk c, left context L) for unfolded tiles
+    unfold: tuple[int, int] | None = None  # (chunk c, left context L) of an unfolded tile
 
 
 @dataclass
 class AttentionPlan:
     tiles: list[Tile]
+    attention_maps: bool = False  # one dense tile over every key, whose weights are the full attention map
 
 
-def _block_rule(mode: str, window: int, q_index: torch.Tensor, k_index: torch.Tensor, origin: torch.Tensor):
-    """Which key index each query index may see (causal, plus the mode's window). Shapes broadcast."""
-    allowed = k_index <= q_index
-    if mode == "sliding":
+@dataclass
+class StreamState:
+    """What the next forward of a stream needs to know about documents: per row, the stream index where the
+    current document starts, the position id of the last real token, and whether a real token was seen."""
+
+    start: torch.Tensor  # (B,) long
+    last_position: torch.Tensor  # (B,) long
+    started: torch.Tensor  # (B,) bool
+
+    @classmethod
+    def fresh(cls, batch: int, device: torch.device) -> "StreamState":
+        zeros = torch.zeros(batch, dtype=torch.long, device=device)
+        return cls(zeros, zeros.clone(), torch.zeros(batch, dtype=torch.bool, device=device))
+
+    def map(self, function) -> "StreamState":
+        """The same state with `function` applied to each row tensor (beam reordering, batch selection)."""
+        return StreamState(function(self.start), function(self.last_position), function(self.started))
+
+
+def document_starts(
+    positions: torch.Tensor, valid: torch.Tensor, index: torch.Tensor, state: StreamState
+) -> tuple[torch.Tensor, StreamState]:
+    """Stream index of the first token of each new token's document (B, T), and the state after them.
+
+    A document starts at a row's first real token and wherever a real token's position id does not continue
+    the previous real token's (a restart: padding-free packing). Padding in between does not break a
+    document; a padding token itself is a document of one token that nobody sees.
+    """
+    batch, length = positions.shape
+    steps = torch.arange(length, device=positions.device).expand(batch, length)
+    last_real = torch.where(valid, steps, -1).cummax(dim=1).values  # latest real token at or before t
+    before = torch.cat([last_real.new_full((batch, 1), -1), last_real[:, :-1]], dim=1)  # latest real before t
+    previous_position = torch.where(
+        before >= 0, positions.gather(1, before.clamp(min=0)), state.last_position[:, None]
+    )
+    had_real = (before >= 0) | state.started[:, None]
+    restart = valid & (~had_real | (positions != previous_position + 1))
+    starts = torch.where(restart, index[None, :], state.start[:, None]).cummax(dim=1).values
+    any_real = last_real[:, -1] >= 0
+    after = StreamState(
+        start=starts[:, -1],
+        last_position=torch.where(any_real, positions.gather(1, last_real[:, -1:].clamp(min=0))[:, 0],
+                                  state.last_position),
+        started=state.started | any_real,
+    )
+    return torch.where(valid, starts, index[None, :]), after
+
+
+def visible(config, q_index: torch.Tensor, k_index: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """Whether the query at stream index q_index may see the key at k_index (shapes broadcast).
+
+    Causal, inside the query's document (which starts at `start`), and inside the mode's window: sliding, the
+    last w keys; blockwise, the query's block and the one before it, blocks of w/2 counted from `start`.
+    """
+    allowed = (k_index <= q_index) & (k_index >= start)
+    window = config.attention_window
+    if config.attention_mode == "sliding":
         allowed = allowed & (q_index - k_index < window)
-    elif mode == "blockwise":
+    elif config.attention_mode == "blockwise":
         block = window // 2
-        q_block = torch.div(q_index - origin, block, rounding_mode="floor")
-        k_block = torch.div(k_index - origin, block, rounding_mode="floor")
+        q_block = torch.div(q_index - start, block, rounding_mode="floor")
+        k_block = torch.div(k_index - start, block, rounding_mode="floor")
         allowed = allowed & (k_block >= q_block - 1)
     return allowed
 
@@ -94,49 +155,63 @@ def _position_terms(config, q_rel: torch.Tensor, k_rel: torch.Tensor):
     return factors, bias, distance
 
 
-def _dense_tile(config, ctx: AttentionContext, queries: slice, keys: slice, causal_only: bool) -> Tile:
+def _additive(allowed: torch.Tensor | None, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """One additive mask in the model's dtype (0 or the bias where allowed, the dtype's minimum elsewhere).
+
+    Built once per forward: backends would otherwise convert a boolean mask (and add a bias) in every layer.
+    """
+    if allowed is None and bias is None:
+        return None
+    base = torch.zeros((), dtype=dtype, device=(allowed if bias is None else bias).device)
+    if bias is not None:
+        base = bias.to(dtype)
+    if allowed is None:
+        q_len, k_len = bias.shape[-2:]
+        allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=bias.device).tril(k_len - q_len)
+    return torch.where(allowed, base, torch.finfo(dtype).min)
+
+
+def _dense_tile(config, ctx: AttentionContext, queries: slice, keys: slice, dtype: torch.dtype, plain: bool) -> Tile:
     anchor = ctx.query_positions[:, queries.start : queries.start + 1]
+    key_valid = ctx.key_valid[:, keys]
     q_rel = ctx.query_positions[:, queries] - anchor
-    k_rel = ctx.key_positions[:, keys] - anchor
+    k_rel = torch.where(key_valid, ctx.key_positions[:, keys], anchor) - anchor  # padding and empty slots: at 0
     factors, bias, distance = _position_terms(config, q_rel, k_rel)
     if factors is not None:
         factors = tuple(f.unsqueeze(1) for f in factors)  # broadcast over heads
-    mask = None
-    if not causal_only:
-        q_index = torch.arange(queries.start, queries.stop, device=anchor.device) + ctx.seen
-        k_index = torch.arange(keys.start, keys.stop, device=anchor.device) + ctx.seen - ctx.cached
-        rule = _block_rule(
-            config.attention_mode, config.attention_window, q_index[:, None], k_index[None, :], ctx.origin[:, None, None]
-        )
-        mask = (rule & ctx.key_valid[:, None, keys]) | (q_index[:, None] == k_index[None, :])
-        mask = mask.unsqueeze(1)
-    return Tile(queries, keys, factors, mask, bias, distance)
+    allowed = None
+    if not plain:
+        q_index = ctx.query_index[queries][:, None]
+        k_index = ctx.key_index[keys][None, :]
+        start = ctx.document_start[:, queries, None]
+        allowed = (visible(config, q_index, k_index, start) & key_valid[:, None, :]) | (q_index == k_index)
+        allowed = allowed.unsqueeze(1)
+        if ctx.allowed is not None:
+            allowed = allowed & ctx.allowed[:, :, queries, keys]
+    return Tile(queries, keys, factors, _additive(allowed, bias, dtype), distance)
 
 
-def _unfolded_tile(config, ctx: AttentionContext, total: int) -> Tile:
+def _unfolded_tile(config, ctx: AttentionContext, dtype: torch.dtype, aligned: bool) -> Tile:
     """All new queries in chunks of c = w/2, each against its L + c reachable keys, as one batched call."""
+    total = ctx.query_positions.shape[1]
+    n_keys = ctx.key_positions.shape[1]
     chunk = config.attention_window // 2
-    if config.attention_mode == "sliding":
-        left = config.attention_window - 1
-    else:
-        aligned = bool(((ctx.seen - ctx.origin) % chunk == 0).all())
-        left = chunk if aligned else 2 * chunk - 1
+    left = chunk if aligned and config.attention_mode == "blockwise" else config.attention_window - 1
     span = left + chunk
     n_chunks = -(-total // chunk)
     device = ctx.query_positions.device
 
-    # Key slot s of chunk j holds absolute index seen - left + j*chunk + s.
-    first_key = ctx.seen - left
-    k_index = first_key + torch.arange(n_chunks, device=device)[:, None] * chunk + torch.arange(span, device=device)
-    q_index = ctx.seen + torch.arange(n_chunks * chunk, device=device).view(n_chunks, chunk)
-    held_from = ctx.seen - ctx.cached
-    slot = (k_index - held_from).clamp(0, ctx.key_positions.shape[1] - 1)
-    exists = (k_index >= held_from) & (k_index - held_from < ctx.key_positions.shape[1])
+    # Key slot s of chunk j is key number (cached - left + j*c + s) of the forward's keys; some lie outside.
+    cached = n_keys - total
+    slot = cached - left + torch.arange(n_chunks, device=device)[:, None] * chunk + torch.arange(span, device=device)
+    exists = (slot >= 0) & (slot < n_keys)
+    slot = slot.clamp(0, n_keys - 1)
+    q_slot = torch.arange(n_chunks * chunk, device=device).clamp(max=total - 1).view(n_chunks, chunk)
 
-    q_slot = (q_index - ctx.seen).clamp(max=total - 1)
     q_pos = ctx.query_positions[:, q_slot]  # (B, n_chunks, chunk)
     anchor = q_pos[:, :, :1]
-    k_pos = torch.where(exists, ctx.key_positions[:, slot], anchor)
+    valid = ctx.key_valid[:, slot] & exists  # (B, n_chunks, span)
+    k_pos = torch.where(valid, ctx.key_positions[:, slot], anchor)
     factors, bias, distance = _position_terms(config, q_pos - anchor, k_pos - anchor)
     if factors is not None:
         factors = tuple(f.flatten(0, 1).unsqueeze(1) for f in factors)  # (B*chunks, 1, len, d)
@@ -145,49 +220,39 @@ def _unfolded_tile(config, ctx: AttentionContext, total: int) -> Tile:
     if distance is not None:
         distance = distance.flatten(0, 1)
 
-    origin = ctx.origin[:, None, None, None]
-    rule = _block_rule(config.attention_mode, config.attention_window, q_index[:, :, None], k_index[:, None, :], origin)
-    valid = (ctx.key_valid[:, slot] & exists)[:, :, None, :]
-    diagonal = q_index[:, :, None] == k_index[:, None, :]
-    mask = ((rule & valid) | diagonal).flatten(0, 1).unsqueeze(1)  # (B*chunks, 1, chunk, span)
-    return Tile(slice(0, total), slice(None), factors, mask, bias, distance, unfold=(chunk, left))
+    q_index = ctx.query_index[q_slot][:, :, None]  # (n_chunks, chunk, 1)
+    k_index = torch.where(exists, ctx.key_index[slot], -1)[:, None, :]  # (n_chunks, 1, span); -1: no key
+    start = ctx.document_start[:, q_slot][..., None]  # (B, n_chunks, chunk, 1)
+    allowed = (visible(config, q_index, k_index, start) & valid[:, :, None, :]) | (q_index == k_index)
+    mask = _additive(allowed.flatten(0, 1).unsqueeze(1), bias, dtype)  # (B*chunks, 1 or H, chunk, span)
+    return Tile(slice(0, total), None, factors, mask, distance, unfold=(chunk, left))
 
 
-def _additive_mask(tile: Tile, dtype: torch.dtype) -> Tile:
-    """Fold the boolean mask and any fixed bias into one additive mask in the model's dtype, once per forward.
+def build_plan(
+    config, ctx: AttentionContext, dtype: torch.dtype, attention_maps: bool = False, aligned: bool = False
+) -> AttentionPlan:
+    """Choose the tiles for this forward. For n <= w all modes are the same computation (one causal tile).
 
-    Backends would otherwise convert a boolean mask (and add a bias) in every layer.
+    `attention_maps`: one dense tile over every key (O(T * keys) memory, the caller's choice), so each layer's
+    attention weights are the full (batch, heads, T, keys) map. `aligned`: every row is one document starting
+    at a multiple of w/2 (known from what the caller passed), so blockwise chunks need only b keys of context.
     """
-    if tile.mask is None and tile.bias is None:
-        return tile
-    allowed = tile.mask
-    if allowed is None:
-        q_len = tile.query_slice.stop - tile.query_slice.start
-        k_len = tile.bias.shape[-1]
-        allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=tile.bias.device).tril(k_len - q_len)
-    base = torch.zeros((), dtype=dtype, device=allowed.device) if tile.bias is None else tile.bias.to(dtype)
-    tile.mask = torch.where(allowed, base, torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=allowed.device))
-    tile.bias = None
-    return tile
-
-
-def build_plan(config, ctx: AttentionContext, dtype: torch.dtype) -> AttentionPlan:
-    """Choose the tiles for this forward. For n <= w all modes are the same computation (one causal tile)."""
     total = ctx.query_positions.shape[1]
+    n_keys = ctx.key_positions.shape[1]
     window = config.attention_window
-    if total <= window:
-        plain = ctx.cached == 0 and bool(ctx.key_valid.all())
-        keys = slice(0, ctx.cached + total)
-        tiles = [_dense_tile(config, ctx, slice(0, total), keys, causal_only=plain)]
-    elif config.attention_mode != "full":
-        tiles = [_unfolded_tile(config, ctx, total)]
-    else:
-        tiles = [
-            _dense_tile(config, ctx, slice(start, min(start + window, total)),
-                        slice(0, ctx.cached + min(start + window, total)), causal_only=False)
-            for start in range(0, total, window)
-        ]
-    return AttentionPlan([_additive_mask(tile, dtype) for tile in tiles])
+    if total <= window or attention_maps or ctx.allowed is not None:  # a 4D mask is O(T * K) already
+        plain = ctx.causal_only and not attention_maps
+        tiles = [_dense_tile(config, ctx, slice(0, total), slice(0, n_keys), dtype, plain)]
+        return AttentionPlan(tiles, attention_maps)
+    if config.attention_mode != "full":
+        return AttentionPlan([_unfolded_tile(config, ctx, dtype, aligned)])
+    cached = n_keys - total
+    tiles = [
+        _dense_tile(config, ctx, slice(start, min(start + window, total)),
+                    slice(0, cached + min(start + window, total)), dtype, plain=False)
+        for start in range(0, total, window)
+    ]
+    return AttentionPlan(tiles)
 
 
 def eager_attention_forward(
@@ -217,8 +282,9 @@ def eager_attention_forward(
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
-def _unfold_keys(x: torch.Tensor, cached: int, total: int, chunk: int, left: int) -> torch.Tensor:
-    """(B, H, cached+total, d) keys -> (B*chunks, H, left+chunk, d): chunk j gets keys seen-left+j*c onwards."""
+def _unfold_keys(x: torch.Tensor, total: int, chunk: int, left: int) -> torch.Tensor:
+    """(B, H, cached+total, d) keys -> (B*chunks, H, left+chunk, d): chunk j gets keys cached-left+j*c onwards."""
+    cached = x.shape[2] - total
     n_chunks = -(-total // chunk)
     before = max(left - cached, 0)
     x = x[:, :, max(cached - left, 0) :]
@@ -242,34 +308,32 @@ def run_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     plan: AttentionPlan,
-    cached: int,
     dropout: float,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention of raw (pre-position) q (B,H,T,d) over raw k, v (B,H,cached+T,d) by the plan's tiles.
+    """Attention of raw (pre-position) q (B,H,T,d) over raw k, v (B,H,K,d) by the plan's tiles.
 
     `interface` is the attention backend (eager, sdpa, ...) with transformers' attention-interface signature.
-    Returns the output (B, T, H, d) and, for a single dense tile, the attention weights the backend gave.
+    Returns the output (B, T, H, d) and, when the plan keeps them, the attention weights the backend gave.
     """
     batch, heads, total, head_dim = query.shape
-    outputs, weights = [], None
+    outputs = []
     for tile in plan.tiles:
         if tile.unfold is not None:
             chunk, left = tile.unfold
             q = _chunk_queries(query, total, chunk)
-            k = _unfold_keys(key, cached, total, chunk, left)
-            v = _unfold_keys(value, cached, total, chunk, left)
+            k = _unfold_keys(key, total, chunk, left)
+            v = _unfold_keys(value, total, chunk, left)
         else:
             q, k, v = query[:, :, tile.query_slice], key[:, :, tile.key_slice], value[:, :, tile.key_slice]
         if tile.factors is not None:
             cos_q, sin_q, cos_k, sin_k = tile.factors
             q, k = apply_rotary(q, cos_q, sin_q), apply_rotary(k, cos_k, sin_k)
         bias = None if tile.distance is None else module.learned_bias(tile.distance).to(q.dtype)
-        out, tile_weights = interface(
+        out, weights = interface(
             module, q, k, v, tile.mask, dropout=dropout, scaling=module.scaling, position_bias=bias, is_causal=True
         )
         if tile.unfold is not None:
             out = out.unflatten(0, (batch, -1)).flatten(1, 2)[:, :total]
-        elif len(plan.tiles) == 1:
-            weights = tile_weights
         outputs.append(out)
-    return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0], weights
+    output = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
+    return output, weights if plan.attention_maps else None

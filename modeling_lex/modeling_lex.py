@@ -16,18 +16,28 @@ from transformers.generation import GenerationMixin, MaxLengthCriteria, Stopping
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, logging
 from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
-from transformers.utils import logging
 from transformers.utils.output_capturing import capture_outputs
 
 from configuration_lex.configuration_lex import LexConfig
 
-from .attention import AttentionContext, AttentionPlan, build_plan, eager_attention_forward, run_attention
-from .cache import LexCache
+from .attention import (
+    AttentionContext,
+    AttentionPlan,
+    StreamState,
+    build_plan,
+    document_starts,
+    eager_attention_forward,
+    run_attention,
+)
+from .cache import LexCache, LexStaticCache
 from .xpos import kerple_log_bias, sinusoidal_embedding
 
 logger = logging.get_logger(__name__)
 ACTIVATIONS = {"gelu": nn.functional.gelu, "relu": nn.functional.relu, "swish": nn.functional.silu}
+LEX_CACHES = (LexCache, LexStaticCache)
 
 
 class LexMLP(nn.Module):
@@ -82,20 +92,20 @@ class LexAttention(nn.Module):
         plan: AttentionPlan,
         past_key_values: Cache | None = None,
         cache_keep: int | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, length, _ = hidden_states.shape
         shape = (batch, length, self.num_heads, self.head_dim)
         query = self.q_proj(hidden_states).view(shape).transpose(1, 2)
         key = self.k_proj(hidden_states).view(shape).transpose(1, 2)
         value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
-        cached = 0
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx, keep=cache_keep)
-            cached = key.shape[2] - length
         dropout = self.config.attention_dropout if self.training else 0.0
-        interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
-        output, weights = run_attention(self, interface, query, key, value, plan, cached, dropout)
+        interface = eager_attention_forward
+        if not plan.attention_maps:  # maps come from the eager computation, whatever the backend
+            interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, interface)
+        output, weights = run_attention(self, interface, query, key, value, plan, dropout)
         output = output.reshape(batch, length, -1)
         if self.inner_attn_ln is not None:
             output = self.inner_attn_ln(output)
@@ -128,7 +138,7 @@ class LexDecoderLayer(GradientCheckpointingLayer):
         plan: AttentionPlan,
         past_key_values: Cache | None = None,
         cache_keep: int | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         hidden_states = self._residual(
             hidden_states,
@@ -152,7 +162,8 @@ class LexPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flash_attn = False
     _supports_flex_attn = False
-    _supports_attention_backend = True
+    _supports_attention_backend = True  # padding-free (packed) batches: each position_ids restart is a document
+    _can_compile_fullgraph = True
     _can_record_outputs = {"hidden_states": LexDecoderLayer, "attentions": LexAttention}
 
     @torch.no_grad()
@@ -185,38 +196,95 @@ class LexModel(LexPreTrainedModel):
         attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor | None,
         past_key_values: Cache | None,
-    ) -> tuple[AttentionContext, int | None]:
-        """Positions, padding and cached keys of this forward; `keep` tells a LexCache what to hold on to."""
-        seen = past_key_values.get_seq_length() if past_key_values is not None else 0
-        if attention_mask is not None and (
-            attention_mask.dim() != 2
-            or attention_mask.shape[0] != batch
-            or attention_mask.shape[1] not in (length, seen + length)
-        ):
-            raise ValueError(
-                f"attention_mask must have shape ({batch}, {length}) or ({batch}, {seen + length}) "
-                f"(new tokens, or past and new), got {tuple(attention_mask.shape)}"
-            )
-        mask = None if attention_mask is None else attention_mask.to(device=device, dtype=torch.bool)
-        if mask is None:
-            mask = torch.ones(batch, length, dtype=torch.bool, device=device)
+    ) -> tuple[AttentionContext, int | None, bool]:
+        """Positions, padding, documents and cached keys of this forward.
+
+        Returns the context, how many keys a LexCache should hold on to, and whether every row is one document
+        starting on a block boundary (blockwise chunks then need b keys of context instead of w - 1).
+        """
+        lex_cache = isinstance(past_key_values, LEX_CACHES)
+        compiling = torch.compiler.is_compiling()
+        if attention_mask is not None and attention_mask.dim() == 4:
+            return self._custom_mask_context(batch, length, device, attention_mask, position_ids, past_key_values)
+        if past_key_values is None:
+            seen = 0
+        else:
+            seen = past_key_values.seen if lex_cache else past_key_values.get_seq_length()
+        if attention_mask is not None:
+            past = attention_mask.shape[-1] - length
+            if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or (
+                not compiling and past not in (0, int(seen))
+            ):
+                raise ValueError(
+                    f"attention_mask must have shape ({batch}, {length}) or ({batch}, {int(seen) + length}) "
+                    f"(new tokens, or past and new), got {tuple(attention_mask.shape)}"
+                )
+            mask = attention_mask.to(device=device, dtype=torch.bool)
+        else:
+            past, mask = 0, torch.ones(batch, length, dtype=torch.bool, device=device)
         new_valid = mask[:, -length:]
+        caller_plain = attention_mask is None and position_ids is None
         if position_ids is None:
-            if mask.shape[1] == seen + length:
+            if attention_mask is not None and (past or past_key_values is None):
                 position_ids = (mask.long().cumsum(-1) - 1).masked_fill(~mask, 1)[:, -length:]
             else:
-                position_ids = torch.arange(seen, seen + length, device=device).expand(batch, length)
+                position_ids = torch.arange(length, device=device) + seen
         position_ids = position_ids.to(device).expand(batch, length)
+        # One document without padding: known from what the caller passed, or checked outside compilation.
+        plain = caller_plain or not compiling and bool(new_valid.all()) and bool((position_ids.diff(dim=-1) == 1).all())
 
-        if isinstance(past_key_values, LexCache):
-            return past_key_values.extend(position_ids, new_valid)
-        # Any other Cache holds every past key: they are contiguous before the first new position.
-        past_positions = position_ids[:, :1] - seen + torch.arange(seen, device=device)
-        past_valid = mask[:, :seen] if mask.shape[1] == seen + length else new_valid.new_ones(batch, seen)
-        key_positions = torch.cat([past_positions, position_ids], dim=1)
-        key_valid = torch.cat([past_valid, new_valid], dim=1)
-        origin = torch.where(key_valid.any(1), key_valid.int().argmax(1), key_valid.shape[1])
-        return AttentionContext(position_ids, key_positions, key_valid, origin, seen, seen), None
+        if lex_cache:
+            ctx, keep = past_key_values.extend(position_ids, new_valid, plain)
+        else:  # no cache, or one that holds every past key contiguously before the first new position
+            past_positions = position_ids[:, :1] - seen + torch.arange(seen, device=device)
+            past_valid = mask[:, :seen] if past else new_valid.new_ones(batch, seen)
+            key_positions = torch.cat([past_positions, position_ids], dim=1)
+            key_valid = torch.cat([past_valid, new_valid], dim=1)
+            key_index = torch.arange(seen + length, device=device)
+            starts, _ = document_starts(key_positions, key_valid, key_index, StreamState.fresh(batch, device))
+            ctx = AttentionContext(position_ids, key_positions, key_valid, key_index[seen:], key_index,
+                                   starts[:, seen:], causal_only=plain and seen == 0)
+            keep = None
+        block = self.config.attention_window // 2
+        if compiling:
+            aligned = caller_plain and past_key_values is None
+        else:
+            first = ctx.document_start[:, :1]
+            aligned = bool((ctx.document_start == first).all()) and bool(((ctx.query_index[0] - first) % block == 0).all())
+        return ctx, keep, aligned
+
+    def _custom_mask_context(
+        self,
+        batch: int,
+        length: int,
+        device: torch.device,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        past_key_values: Cache | None,
+    ) -> tuple[AttentionContext, None, bool]:
+        """A caller's own (B, 1, T, T) mask (e.g. a shared prefix with branches): it says which keys each query
+        sees, on top of causality and the window; documents are not inferred from position ids then."""
+        if past_key_values is not None and past_key_values.get_seq_length():
+            raise ValueError("a 4D attention_mask is supported on a forward without cached tokens (past_key_values)")
+        if attention_mask.shape != (batch, 1, length, length) and attention_mask.shape != (1, 1, length, length):
+            raise ValueError(
+                f"a 4D attention_mask must have shape ({batch}, 1, {length}, {length}), got {tuple(attention_mask.shape)}"
+            )
+        allowed = attention_mask.to(device).bool() if attention_mask.dtype in (torch.bool, torch.long, torch.int) else (
+            attention_mask.to(device) == 0  # additive: 0 where allowed, the dtype's minimum elsewhere
+        )
+        if position_ids is None:
+            position_ids = torch.arange(length, device=device)
+        position_ids = position_ids.to(device).expand(batch, length)
+        index = torch.arange(length, device=device)
+        valid = torch.ones(batch, length, dtype=torch.bool, device=device)
+        start = torch.zeros(batch, length, dtype=torch.long, device=device)
+        ctx = AttentionContext(position_ids, position_ids, valid, index, index, start, allowed=allowed.expand(batch, -1, -1, -1))
+        if past_key_values is not None:  # an empty cache takes the keys; documents carry on from index 0
+            ctx_cache, keep = past_key_values.extend(position_ids, valid, plain=False)
+            ctx.key_index, ctx.query_index = ctx_cache.key_index, ctx_cache.query_index
+            return ctx, keep, False
+        return ctx, None, False
 
     def embed(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, positions: torch.Tensor):
         """TorchScale's forward_embedding: scale, [absolute sinusoidal positions], [LayerNorm], dropout."""
@@ -224,7 +292,11 @@ class LexModel(LexPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)
         hidden = inputs_embeds * self.config.embedding_scale
         if "sinusoidal" in (self.config.absolute_position_embedding, self.config.position_embedding_type):
-            if self.config.position_embedding_type == "sinusoidal" and positions.max() >= self.config.max_position_embeddings:
+            if (
+                self.config.position_embedding_type == "sinusoidal"
+                and not torch.compiler.is_compiling()
+                and positions.max() >= self.config.max_position_embeddings
+            ):
                 logger.warning_once(
                     "sinusoidal (absolute) positions beyond the training length max_position_embeddings="
                     f"{self.config.max_position_embeddings} were never seen in training; blockwise and sliding "
@@ -246,8 +318,15 @@ class LexModel(LexPreTrainedModel):
         past_key_values: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPast:
+        """Hidden states of a LEX decoder.
+
+        `position_ids` that restart inside a row (0, 1, 2, 0, 1, ...) start a new document there (padding-free
+        packing, e.g. `DataCollatorWithFlattening`): it sees nothing before it. `output_attentions=True` returns
+        one (batch, heads, T, keys) map per layer for any length, zeros where the window hides a key; that
+        takes O(T * keys) memory, the caller's choice.
+        """
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         reference = input_ids if input_ids is not None else inputs_embeds
@@ -255,10 +334,11 @@ class LexModel(LexPreTrainedModel):
             raise ValueError("the input is empty: input_ids/inputs_embeds must hold at least one token")
         if use_cache and past_key_values is None:
             past_key_values = LexCache(self.config)
-        ctx, keep = self._context(
+        ctx, keep, aligned = self._context(
             *reference.shape[:2], self.embed_tokens.weight.device, attention_mask, position_ids, past_key_values
         )
-        plan = build_plan(self.config, ctx, self.embed_tokens.weight.dtype)
+        maps = kwargs.get("output_attentions", self.config.output_attentions)
+        plan = build_plan(self.config, ctx, self.embed_tokens.weight.dtype, attention_maps=bool(maps), aligned=aligned)
         hidden_states = self.embed(input_ids, inputs_embeds, ctx.query_positions)
         for layer in self.layers:
             hidden_states = layer(
@@ -278,16 +358,37 @@ class LexForCausalLM(LexPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs) -> None:
-        """generate() gets a LexCache (bounded in blockwise/sliding modes) unless the caller passed a cache."""
+    def _prepare_cache_for_generation(
+        self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+    ) -> None:
+        """generate() gets a LexCache (bounded in blockwise/sliding modes), or with cache_implementation="static"
+        a LexStaticCache of fixed shapes, unless the caller passed a cache."""
         if model_kwargs.get("past_key_values") is not None or generation_config.use_cache is False:
-            return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        if generation_config.cache_implementation not in (None, "dynamic"):
-            raise ValueError(
-                f"cache_implementation={generation_config.cache_implementation!r} is not supported by LEX models: "
-                "generate() uses a LexCache, which re-encodes positions inside each window; allowed: None, 'dynamic'"
+            return super()._prepare_cache_for_generation(
+                generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
             )
-        model_kwargs["past_key_values"] = LexCache(self.config)
+        implementation = generation_config.cache_implementation
+        if implementation == "static":
+            model_kwargs["past_key_values"] = LexStaticCache(self.config, max_cache_len=max_cache_length)
+        elif implementation in (None, "dynamic"):
+            model_kwargs["past_key_values"] = LexCache(self.config)
+        else:
+            raise ValueError(
+                f"cache_implementation={implementation!r} is not supported by LEX models, whose caches re-encode "
+                "positions inside each window; allowed: None, 'dynamic' (LexCache), 'static' (LexStaticCache)"
+            )
+        if generation_config.is_assistant:
+            model_kwargs["past_key_values"].activate_past_recording()
+
+    def create_masks_for_generate(self, attention_mask=None, inputs_embeds=None, **kwargs) -> torch.Tensor | None:
+        """generate() asks compilable caches for a 4D mask; LEX builds its masks itself from the 2D one.
+
+        Only the new tokens' columns are passed on (the cache holds the padding flags of the past), so a compiled
+        decoding step sees the same shapes at every step.
+        """
+        if attention_mask is None:
+            return None
+        return attention_mask[:, -inputs_embeds.shape[1] :]
 
     def _prepare_generated_length(self, generation_config, has_default_max_length, *args, **kwargs):
         """Without max_length/max_new_tokens, generate the default 20 new tokens after any prompt.
@@ -333,7 +434,7 @@ class LexForCausalLM(LexPreTrainedModel, GenerationMixin):
         )
 
     def _prefill_in_blocks(
-        self, input_ids, inputs_embeds, attention_mask, position_ids, cache: LexCache, logits_to_keep, **kwargs
+        self, input_ids, inputs_embeds, attention_mask, position_ids, cache: Cache, logits_to_keep, **kwargs
     ) -> BaseModelOutputWithPast:
         """Run a long input through the bounded cache w tokens at a time, so activations stay O(w), not O(n).
 
@@ -372,11 +473,11 @@ class LexForCausalLM(LexPreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
         length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
         wants_internals = kwargs.get("output_hidden_states") or kwargs.get("output_attentions")
-        if isinstance(past_key_values, LexCache) and length > self.config.attention_window and not wants_internals:
+        if isinstance(past_key_values, LEX_CACHES) and length > self.config.attention_window and not wants_internals:
             outputs = self._prefill_in_blocks(
                 input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, logits_to_keep, **kwargs
             )

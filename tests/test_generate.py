@@ -309,9 +309,12 @@ def test_bad_generate_input_raises_clearly():
         model.generate(prompt(2, 5), attention_mask=wrong, max_new_tokens=3, pad_token_id=PAD)
     with pytest.raises(ValueError, match=r"attention_mask has shape \(1, 5\) but the prompt has \(2, 5\)"):
         model.generate(prompt(2, 5), attention_mask=wrong[1:, :5], max_new_tokens=3, pad_token_id=PAD)
-    with pytest.raises(ValueError, match="cache_implementation='static' is not supported"):
-        model.generate(prompt(1, 5), cache_implementation="static", max_new_tokens=3, pad_token_id=PAD)
+    with pytest.raises(ValueError, match="cache_implementation='offloaded' is not supported"):
+        model.generate(prompt(1, 5), cache_implementation="offloaded", max_new_tokens=3, pad_token_id=PAD)
     out = greedy(model, prompt(1, 3 * W), max_new_tokens=2)
-    assert not out.past_key_values.is_croppable
-    with pytest.raises(NotImplementedError, match="cannot be cropped"):
-        out.past_key_values.crop(-1)
+    cache = out.past_key_values
+    assert not cache.is_croppable  # blockwise, not recording the past: dropped blocks are gone
+    with pytest.raises(ValueError, match="cannot remove"):
+        cache.crop(-(cache.held + 1))
+    with pytest.raises(ValueError, match="minus the number of tokens"):
+        cache.crop(3)
