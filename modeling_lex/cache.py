@@ -111,6 +111,8 @@ class LexCache(DynamicCache):
         if self.state is None:
             self.state = StreamState.fresh(batch, device)
         query_index = torch.arange(self.seen, self.seen + length, device=device)
+        # While recording, hold what this forward reads until crop() says how much of it stays.
+        recorded = self._keep(self.seen, self.held) + length if self.record_past else None
         document_start, after = document_starts(query_positions, new_valid, query_index, self.state)
         self._last = (self.state, self.seen, query_positions, new_valid)
         self.plain = self.plain and plain
@@ -124,7 +126,7 @@ class LexCache(DynamicCache):
         )
         self.seen += length
         self.state = after
-        keep = query_index.shape[0] if self.record_past else self._keep(self.seen, query_index.shape[0])
+        keep = recorded if self.record_past else self._keep(self.seen, query_index.shape[0])
         self._hold(query_positions, new_valid, query_index, keep)
         return ctx, keep
 
@@ -176,7 +178,7 @@ class LexCache(DynamicCache):
             raise ValueError(refused)
         for layer in self.layers:
             layer.drop_latest(remove)
-        self._hold(self.positions, self.valid, self.index, self.held - remove)
+        self.positions, self.valid, self.index = self.positions[:, :-remove], self.valid[:, :-remove], self.index[:-remove]
         self.seen, self._last = target, None
 
     def _apply_to_metadata(self, function) -> None:

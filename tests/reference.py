@@ -82,8 +82,10 @@ def visible(mode, window, n, pad):
     return allowed
 
 
-def forward(state, config, input_ids, pad=0, positions=None):
-    """Logits (n, vocab) of one row; the first `pad` tokens are padding (masked as keys)."""
+def forward(state, config, input_ids, pad=0, positions=None, maps=None):
+    """Logits (n, vocab) of one row; the first `pad` tokens are padding (masked as keys).
+
+    `maps`: a list that receives each layer's attention weights (heads, n, n)."""
     sd = {k: v.double() for k, v in state.items()}
     n = input_ids.shape[0]
     h, d = config.num_attention_heads, config.hidden_size // config.num_attention_heads
@@ -104,7 +106,7 @@ def forward(state, config, input_ids, pad=0, positions=None):
         residual = x
         y = ln(x, p + "self_attn_layer_norm") if config.normalize_before else x
         q, k, v = (lin(y, p + f"self_attn.{name}_proj") for name in "qkv")
-        heads = []
+        heads, weights = [], []
         for head in range(h):
             sl = slice(head * d, (head + 1) * d)
             qh, kh, vh = q[:, sl], k[:, sl], v[:, sl]
@@ -123,7 +125,10 @@ def forward(state, config, input_ids, pad=0, positions=None):
             if kind == "sandwich":
                 scores = scores + sandwich(positions, h, config.sandwich_dim)[head]
             scores = scores.masked_fill(~allowed, float("-inf"))
-            heads.append(torch.softmax(scores, -1) @ vh)
+            weights.append(torch.softmax(scores, -1))
+            heads.append(weights[-1] @ vh)
+        if maps is not None:
+            maps.append(torch.stack(weights))
         attn = torch.cat(heads, -1)
         if config.subln:
             attn = ln(attn, p + "self_attn.inner_attn_ln")
@@ -142,3 +147,10 @@ def forward(state, config, input_ids, pad=0, positions=None):
         x = ln(x, "model.norm")
     head = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
     return x @ head.T
+
+
+def attention_maps(state, config, input_ids):
+    """Each layer's attention weights (heads, n, n) of one row, zeros where the mode's window hides a key."""
+    maps = []
+    forward(state, config, input_ids, maps=maps)
+    return maps

@@ -392,3 +392,100 @@ def test_kerple_parameters_are_learned_and_initialised_positive(tmp_path):
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     torch.testing.assert_close(loaded.model.layers[0].self_attn.kerple_r1, r1)
+
+
+# ---------------------------------------------------------------- packed documents, attention maps, 4D masks
+
+
+def packed(lengths: list[int], seed: int = 0) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Documents of `lengths` packed into one row with position_ids restarting at each (padding-free)."""
+    generator = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(0, 97, (n,), generator=generator) for n in lengths]
+    return docs, torch.cat(docs)[None], torch.cat([torch.arange(n) for n in lengths])[None]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind", ["xpos", "alibi", "kerple"])
+def test_packed_documents_equal_each_document_alone(mode, kind):
+    """A position_ids restart starts a new document: each is computed exactly as alone, in the O(n*w) path too
+    (documents longer than w, blocks counted from each document's start, starts off block boundaries)."""
+    model = perturbed_model(tiny_config(attention_mode=mode, position_embedding_type=kind))
+    docs, ids, positions = packed([5, 37, 1, 23, 40])  # 106 tokens > w = 16: the unfolded path
+    with torch.no_grad():
+        logits = model(ids, position_ids=positions).logits[0]
+        start = 0
+        for doc in docs:
+            alone = model(doc[None]).logits[0]
+            torch.testing.assert_close(logits[start : start + len(doc)], alone, atol=1e-5, rtol=1e-5)
+            start += len(doc)
+
+
+def test_packed_batch_trains_like_padded_batch():
+    """DataCollatorWithFlattening (transformers' padding-free collator) gives the loss and gradients of the
+    same documents in a padded batch."""
+    from transformers import DataCollatorWithFlattening
+
+    model = perturbed_model(tiny_config(hidden_dropout=0.0))
+    docs, _, _ = packed([7, 30, 19], seed=1)
+    flat = DataCollatorWithFlattening(return_tensors="pt")([{"input_ids": d.tolist()} for d in docs])
+    assert "attention_mask" not in flat and flat["position_ids"][0, 7] == 0
+    packed_loss = model(**flat).loss
+    packed_loss.backward()
+    packed_grad = model.model.embed_tokens.weight.grad.clone()
+    model.zero_grad()
+
+    longest = max(len(d) for d in docs)
+    ids = torch.zeros(len(docs), longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, doc in enumerate(docs):
+        ids[row, : len(doc)], mask[row, : len(doc)] = doc, 1
+    labels = ids.masked_fill(mask == 0, -100)
+    padded_loss = model(ids, attention_mask=mask, labels=labels).loss
+    padded_loss.backward()
+    torch.testing.assert_close(packed_loss, padded_loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed_grad, model.model.embed_tokens.weight.grad, atol=1e-5, rtol=1e-4)
+
+
+def naive_attention_maps(model, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Each layer's softmax(q k^T) with the mode's window, from tests/reference.py's float64 model."""
+    return reference.attention_maps(model.state_dict(), model.config, ids[0])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("n", [5, 16, 40])
+def test_attention_maps_for_any_length(mode, n):
+    """output_attentions=True returns (batch, heads, T, T) per layer for any T, zeros where the window hides a
+    key, equal to a naive masked attention map; gradients flow through them."""
+    model = perturbed_model(tiny_config(attention_mode=mode))
+    torch.manual_seed(n)
+    ids = torch.randint(0, 97, (1, n))
+    for implementation in ("eager", "sdpa"):
+        model.set_attn_implementation(implementation)
+        out = model(ids, output_attentions=True)
+        assert len(out.attentions) == model.config.num_hidden_layers
+        for layer, (got, expected) in enumerate(zip(out.attentions, naive_attention_maps(model, ids))):
+            assert got.shape == (1, model.config.num_attention_heads, n, n)
+            torch.testing.assert_close(got[0].double(), expected, atol=1e-5, rtol=1e-5)
+        with torch.no_grad():
+            torch.testing.assert_close(out.logits, model(ids).logits, atol=1e-5, rtol=1e-5)
+    out = model(ids, output_attentions=True)
+    out.attentions[0].retain_grad()
+    out.logits.sum().backward()
+    assert out.attentions[0].grad is not None and out.attentions[0].grad.abs().sum() > 0
+
+
+def test_custom_4d_mask_shares_a_prefix():
+    """A caller's (B, 1, T, T) mask: three continuations of one prefix in one row equal three rows."""
+    model = perturbed_model(tiny_config())
+    prefix, endings = torch.tensor([10, 11, 12]), torch.tensor([13, 14, 15])
+    rows = torch.stack([torch.cat([prefix, endings[i : i + 1]]) for i in range(3)])
+    shared = torch.cat([prefix, endings])[None]
+    allowed = torch.tril(torch.ones(6, 6, dtype=torch.bool))
+    allowed[4, 3] = allowed[5, 3] = allowed[5, 4] = False
+    mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[None, None]
+    with torch.no_grad():
+        separate = model(rows).logits[:, -1]
+        together = model(shared, attention_mask=mask, position_ids=torch.tensor([[0, 1, 2, 3, 3, 3]])).logits[0, 3:]
+    torch.testing.assert_close(together, separate, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="4D attention_mask must have shape"):
+        model(shared, attention_mask=mask[:, :, :5])
