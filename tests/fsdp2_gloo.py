@@ -10,6 +10,7 @@ test), reference.safetensors (the gathered in-memory weights, DTensor.full_tenso
 
 import json
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -55,7 +56,7 @@ def step(model, optimizer, number: int) -> float:
 
 
 def main(workdir: Path, tokenizer_folder: str) -> None:
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))  # a mismatched collective fails, never hangs
     rank = dist.get_rank()
     checkpoint = workdir / f"checkpoint-{CHECKPOINT_AT}"
 
