@@ -153,7 +153,8 @@ def test_fsdp2_over_gloo_final_folder_is_full_and_sharded_checkpoints_resume(tra
     assert sorted(p.name for p in final.iterdir() if p.name.startswith(".")) == []  # no staging folder left
     loaded = AutoModelForCausalLM.from_pretrained(final)
     reference = LexForCausalLM(LexConfig(**CONFIG))
-    reference.load_state_dict(load_file(tmp_path / "reference.safetensors"), strict=False)
+    missing, unexpected = reference.load_state_dict(load_file(tmp_path / "reference.safetensors"), strict=False)
+    assert (missing, unexpected) == (["lm_head.weight"], [])  # tied to the embeddings
     reference.tie_weights()
     ids = torch.randint(0, CONFIG["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -280,8 +281,6 @@ def test_bad_inputs_fail_clearly_and_keep_earlier_outputs(case, message, trained
 
 
 def test_embedded_corpus_is_the_bible_split_by_book():
-    from lex.data import load_documents
-
     books = kjv_books()
     assert len(books) == 66 and books[0]["title"] == "Genesis" and books[-1]["title"] == "Revelation"
     documents = load_documents()
