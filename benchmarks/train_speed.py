@@ -1,7 +1,8 @@
 """Training tokens/s of `lex train` on this machine: one process, and two under accelerate (DDP, gloo).
 
-Same model (default 4 layers, hidden 256, l=256), same global batch, the KJV corpus; tokens/s counts the
-tokens of all processes: steps x global batch x l / train_runtime (the Trainer's own timer).
+Same model (default 4 layers, hidden 256, l=256), same global batch (per-device batch = global / processes),
+the KJV corpus, the cores shared out among the processes (OMP_NUM_THREADS); tokens/s counts the tokens of all
+processes: steps x global batch x l / train_runtime (the Trainer's own timer).
 
     python benchmarks/train_speed.py [--steps 30] [--output train_speed.json]
 """
@@ -19,22 +20,23 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run(processes: int, args, workdir: Path) -> dict:
     out = workdir / f"p{processes}"
-    per_device = args.batch  # with split_batches each process takes batch / processes of the same global batch
     command = ["train", "--output_dir", str(out), "--config_overrides",
                f"hidden_size={args.hidden},num_hidden_layers={args.layers},num_attention_heads={args.heads},"
                f"intermediate_size={4 * args.hidden}", "--block_size", str(args.length), "--vocab_size",
-               str(args.vocab), "--max_steps", str(args.steps), "--per_device_train_batch_size", str(per_device),
-               "--save_strategy", "no", "--eval_strategy", "no", "--report_to", "none", "--use_cpu",
-               "--logging_steps", str(args.steps), "--disable_tqdm", "true"]
+               str(args.vocab), "--max_steps", str(args.steps),
+               "--per_device_train_batch_size", str(args.batch // processes), "--do_train", "--save_strategy", "no",
+               "--eval_strategy", "no", "--report_to", "none", "--use_cpu", "--logging_steps", str(args.steps),
+               "--disable_tqdm", "true"]
     if processes == 1:
         launch = [sys.executable, "-m", "lex.cli"]
     else:
         launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                   str(ROOT / "lex" / "accelerate_configs" / "ddp_cpu.yaml"), "--num_processes", str(processes),
                   "-m", "lex.cli"]
-        command += ["--accelerator_config", '{"split_batches": true}']
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(max(1, args.threads // processes))}
-    subprocess.run([*launch, *command], check=True, env=env, capture_output=True, text=True)
+    log = subprocess.run([*launch, *command], check=True, env=env, cwd=ROOT, capture_output=True, text=True)
+    if f"of world size {processes}," not in log.stdout + log.stderr:
+        raise RuntimeError(f"the run did not train on {processes} process(es)")
     metrics = json.loads((out / "all_results.json").read_text())
     tokens = args.steps * args.batch * args.length
     return {"processes": processes, "train_runtime_s": metrics["train_runtime"],

@@ -9,7 +9,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-from datasets import Dataset, DatasetDict, load_dataset
+from datasets import Dataset, DatasetDict, concatenate_datasets, load_dataset, load_from_disk
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -56,7 +56,14 @@ def expand_globs(patterns: list[str] | str | None, what: str) -> list[str]:
     return files
 
 
-def load_files(files: list[str]) -> Dataset:
+def text_column(dataset: Dataset, what: str) -> Dataset:
+    """The "text" column alone; a dataset without one is named rather than failing deep inside `map`."""
+    if "text" not in dataset.column_names:
+        raise DataError(f"{what}: needs a 'text' column, has {dataset.column_names}")
+    return dataset.select_columns(["text"])
+
+
+def load_files(files: list[str], what: str) -> Dataset:
     """Text files (one document per file) or jsonl files (one document per line, field "text")."""
     jsonl = [f for f in files if f.endswith((".jsonl", ".json"))]
     text = [f for f in files if f not in jsonl]
@@ -64,18 +71,47 @@ def load_files(files: list[str]) -> Dataset:
     if text:
         parts.append(load_dataset("text", data_files=text, sample_by="document", split="train"))
     if jsonl:
-        parts.append(load_dataset("json", data_files=jsonl, split="train").select_columns(["text"]))
-    dataset = parts[0] if len(parts) == 1 else Dataset.from_dict({"text": sum((p["text"] for p in parts), [])})
-    return dataset.filter(lambda row: bool(row["text"] and row["text"].strip()))
+        parts.append(text_column(load_dataset("json", data_files=jsonl, split="train"), f"{what} {', '.join(jsonl)}"))
+    return non_empty(concatenate_datasets(parts))
+
+
+def non_empty(documents: Dataset) -> Dataset:
+    return documents.filter(lambda row: bool(row["text"] and row["text"].strip()))
+
+
+def load_named_dataset(dataset_name: str, dataset_config_name: str | None) -> DatasetDict:
+    """A folder written by `save_to_disk` (a Dataset or a DatasetDict), else whatever `load_dataset` reads."""
+    folder = Path(dataset_name)
+    if (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file():
+        raw = load_from_disk(dataset_name)
+        raw = raw if isinstance(raw, DatasetDict) else DatasetDict(train=raw)
+    else:
+        raw = load_dataset(dataset_name, dataset_config_name)
+    if "train" not in raw:
+        raise DataError(f"--dataset_name {dataset_name}: needs a 'train' split, has {list(raw)}")
+    return DatasetDict({split: non_empty(text_column(raw[split], f"--dataset_name {dataset_name}"))
+                        for split in ("train", "validation") if split in raw})
 
 
 def split_documents(documents: Dataset, validation_fraction: float, seed: int) -> DatasetDict:
-    """Hold out whole documents (at least one) for validation."""
+    """Hold out whole documents (at least one) for validation; a single document is split later, by tokens.
+
+    With one document (one big .txt) only a "train" split comes back: `split_tail` takes the validation
+    split from the tail of its token stream once it is tokenized.
+    """
     if len(documents) < 2:
-        raise DataError(f"need at least 2 documents to hold one out for validation, got {len(documents)}")
+        return DatasetDict(train=documents)
     held_out = max(1, round(len(documents) * validation_fraction))
     split = documents.train_test_split(test_size=held_out, seed=seed, shuffle=True)
     return DatasetDict(train=split["train"], validation=split["test"])
+
+
+def split_tail(tokenized: Dataset, validation_fraction: float) -> DatasetDict:
+    """The token stream of too few documents to hold one out: the last `validation_fraction` is validation."""
+    ids = [token for document in tokenized["input_ids"] for token in document]
+    cut = len(ids) - round(len(ids) * validation_fraction)
+    return DatasetDict(train=Dataset.from_dict({"input_ids": [ids[:cut]]}),
+                       validation=Dataset.from_dict({"input_ids": [ids[cut:]]}))
 
 
 def load_documents(
@@ -86,15 +122,20 @@ def load_documents(
     validation_fraction: float = 0.05,
     seed: int = 42,
 ) -> DatasetDict:
-    """A DatasetDict of documents ("text" column) with train and validation splits, split by document.
+    """A DatasetDict of documents ("text" column): train, and validation unless there are too few documents.
 
-    With no files and no dataset name: the King James Bible, one document per book.
+    With no files and no dataset name: the King James Bible, one document per book. Without a validation split,
+    whole documents are held out; from a single document, none (see `split_tail`).
     """
     if dataset_name:
-        raw = load_dataset(dataset_name, dataset_config_name)
+        if train_files or validation_files:
+            raise DataError("--dataset_name and --train_files/--validation_files are alternatives: give one")
+        raw = load_named_dataset(dataset_name, dataset_config_name)
+        if len(raw["train"]) == 0:
+            raise DataError(f"--dataset_name {dataset_name}: the train split holds no text")
         if "validation" not in raw:
             return split_documents(raw["train"], validation_fraction, seed)
-        return DatasetDict(train=raw["train"], validation=raw["validation"])
+        return raw
     train = expand_globs(train_files, "--train_files")
     validation = expand_globs(validation_files, "--validation_files")
     if not train:
@@ -102,11 +143,11 @@ def load_documents(
             raise DataError("--validation_files given without --train_files")
         documents = Dataset.from_list(kjv_books())
     else:
-        documents = load_files(train)
+        documents = load_files(train, "--train_files")
         if len(documents) == 0:
             raise DataError(f"the training files hold no text: {', '.join(train)}")
     if validation:
-        held_out = load_files(validation)
+        held_out = load_files(validation, "--validation_files")
         if len(held_out) == 0:
             raise DataError(f"the validation files hold no text: {', '.join(validation)}")
         return DatasetDict(train=documents, validation=held_out)

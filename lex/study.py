@@ -92,7 +92,10 @@ def calibrate(variant: str, settings: dict, tokenizer, blocks, output_dir: Path,
 def read_corpus(corpus: Path | None, seed: int):
     if corpus is None:
         return load_documents(validation_fraction=0.1, seed=seed)
-    return load_documents(train_files=str(corpus), validation_fraction=0.1, seed=seed)
+    documents = load_documents(train_files=str(corpus), validation_fraction=0.1, seed=seed)
+    if "validation" not in documents:
+        raise DataError(f"{corpus}: the study holds out whole documents and needs at least 2, got 1")
+    return documents
 
 
 def run(args: argparse.Namespace) -> dict:

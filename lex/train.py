@@ -1,17 +1,29 @@
 """`lex train`: train or fine-tune a LEX model with the HF Trainer, in the shape of run_clm.py.
 
     lex train --output_dir runs/kjv --config_overrides "hidden_size=256,num_hidden_layers=4" --block_size 256
-    accelerate launch --cpu --num_processes 2 -m lex.cli train ...      # DDP, same arguments
+    accelerate launch --config_file lex/accelerate_configs/ddp_cpu.yaml -m lex.cli train ... --use_cpu   # DDP
 
 Model, data and tokenizer arguments follow examples/pytorch/language-modeling/run_clm.py; every
 TrainingArguments flag passes through. Inputs are checked before anything is written to --output_dir.
 """
 
 import json
+import logging
+import math
+import os
+import shutil
 import sys
+import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import datasets
+import torch
+import torch.distributed as dist
+import transformers
+from accelerate.utils import extract_model_from_parallel
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -26,7 +38,12 @@ from transformers import (
 import modeling_lex  # noqa: F401  (registers the Auto classes)
 from configuration_lex import LexConfig
 
-from .data import DataError, load_documents, pack, tokenize_documents, train_tokenizer
+from .data import DataError, load_documents, pack, split_tail, tokenize_documents, train_tokenizer
+
+logger = logging.getLogger(__name__)
+
+# Files a tokenizer folder holds; a model folder with none of them (a converted checkpoint) gets a new BPE.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
 @dataclass
@@ -47,10 +64,17 @@ class ModelArguments:
 class DataArguments:
     train_files: str | None = field(default=None, metadata={"help": "comma-separated globs of .txt or .jsonl files"})
     validation_files: str | None = field(default=None, metadata={"help": "globs; default: held-out documents"})
-    dataset_name: str | None = field(default=None, metadata={"help": "a datasets Hub name (needs Hub access)"})
+    dataset_name: str | None = field(
+        default=None,
+        metadata={"help": "a folder written by save_to_disk, a folder or Hub name load_dataset reads; 'text' column"},
+    )
     dataset_config_name: str | None = field(default=None)
     block_size: int = field(default=256, metadata={"help": "the training length l (max_position_embeddings)"})
-    validation_split_percentage: float = field(default=5.0, metadata={"help": "documents held out when no validation files"})
+    validation_split_percentage: float = field(
+        default=5.0,
+        metadata={"help": "percent of the documents held out when there is no validation split; with a single "
+                          "document (one .txt), percent of its token stream taken from the end"},
+    )
     preprocessing_num_workers: int | None = field(default=None)
 
 
@@ -110,15 +134,87 @@ def build_model(model_args: ModelArguments, block_size: int, tokenizer):
     return AutoModelForCausalLM.from_config(config)
 
 
+def named_tokenizer(source: str, flag: str):
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except Exception as error:  # OSError, ValueError, or the tokenizers library's own for a broken tokenizer.json
+        raise DataError(f"{flag} {source}: cannot load a tokenizer ({error})") from None
+
+
 def load_tokenizer(model_args: ModelArguments, documents):
-    source = model_args.tokenizer_name or model_args.model_name_or_path
+    """The named tokenizer, else the fine-tuned model's, else a byte-level BPE trained on the training documents.
+
+    A tokenizer that is there but does not load is an error, never a silent switch to a new BPE; only a model
+    folder without any tokenizer file (a converted checkpoint) gets a new one, with a warning.
+    """
+    if model_args.tokenizer_name:
+        return named_tokenizer(model_args.tokenizer_name, "--tokenizer_name")
+    source = model_args.model_name_or_path
     if source:
-        try:
-            return AutoTokenizer.from_pretrained(source)
-        except (OSError, ValueError):  # a model folder without tokenizer files (e.g. a converted checkpoint)
-            if model_args.tokenizer_name:
-                raise
+        if not Path(source).is_dir() or any((Path(source) / name).is_file() for name in TOKENIZER_FILES):
+            return named_tokenizer(source, "--model_name_or_path")
+        logger.warning(
+            "--model_name_or_path %s holds no tokenizer: training a byte-level BPE of %d tokens on the training "
+            "documents (the embeddings are resized to it); pass --tokenizer_name to use the model's own",
+            source, model_args.vocab_size,
+        )
     return train_tokenizer((text for text in documents["train"]["text"]), model_args.vocab_size)
+
+
+def stages(training_args: TrainingArguments) -> tuple[bool, bool]:
+    """(train, evaluate) as run_clm's --do_train/--do_eval; with neither flag `lex train` does both.
+
+    An --eval_strategy other than "no" sets do_eval in TrainingArguments and implies training.
+    """
+    do_train = training_args.do_train or not training_args.do_eval or training_args.eval_strategy != "no"
+    do_eval = training_args.do_eval or not training_args.do_train
+    return do_train, do_eval
+
+
+def check_launch(training_args: TrainingArguments) -> None:
+    """Processes started by a launcher must form one group; on CPU they only do with --use_cpu.
+
+    Without it accelerate leaves each process alone: N copies train the same model and overwrite one folder.
+    """
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > training_args.world_size:
+        raise DataError(
+            f"{launched} processes were launched but each trains alone (world size {training_args.world_size}); "
+            "on a machine without GPUs pass --use_cpu so that they join one gloo process group"
+        )
+
+
+def save_full_model(model: torch.nn.Module, output_dir: str | Path, processing_class=None) -> None:
+    """Write config, model.safetensors and tokenizer to `output_dir` from a plain, DDP or FSDP2 model.
+
+    Every rank must call it: under FSDP the full state dict is gathered collectively (a rank-0-only save hangs
+    on NCCL and dies on gloo), whatever state-dict type the checkpoints used. Rank 0 writes the files into a
+    temporary folder and moves them in with config.json last, so a crash never leaves a folder that looks
+    loadable but holds a partial model.
+    """
+    state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    distributed = dist.is_available() and dist.is_initialized()
+    if not distributed or dist.get_rank() == 0:
+        output = Path(output_dir)
+        output.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".saving-", dir=output))
+        try:
+            extract_model_from_parallel(model).save_pretrained(staging, state_dict=state_dict)
+            if processing_class is not None:
+                processing_class.save_pretrained(staging)
+            for name in sorted((p.name for p in staging.iterdir()), key=lambda name: name == "config.json"):
+                os.replace(staging / name, output / name)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    if distributed:
+        dist.barrier()
+
+
+def perplexity(loss: float) -> float:
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return float("inf")
 
 
 def plot_loss(log_history: list[dict], path: Path) -> None:
@@ -142,8 +238,12 @@ def plot_loss(log_history: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def prepare(model_args: ModelArguments, data_args: DataArguments, training_args: TrainingArguments):
+def prepare(
+    model_args: ModelArguments, data_args: DataArguments, training_args: TrainingArguments, do_train: bool,
+    do_eval: bool,
+):
     """Everything before training, with every input error raised before --output_dir is touched."""
+    check_launch(training_args)
     if data_args.block_size < 2:
         raise DataError(f"--block_size must be >= 2, got {data_args.block_size}")
     documents = load_documents(
@@ -156,14 +256,15 @@ def prepare(model_args: ModelArguments, data_args: DataArguments, training_args:
     )
     tokenizer = load_tokenizer(model_args, documents)
     model = build_model(model_args, data_args.block_size, tokenizer)
+    workers = data_args.preprocessing_num_workers
     with training_args.main_process_first(desc="tokenize and pack"):
-        blocks = {
-            split: pack(tokenize_documents(documents[split], tokenizer, data_args.preprocessing_num_workers),
-                        data_args.block_size, data_args.preprocessing_num_workers)
-            for split in documents
-        }
-    for split, dataset in blocks.items():
-        if len(dataset) == 0:
+        tokenized = {split: tokenize_documents(documents[split], tokenizer, workers) for split in documents}
+        if "validation" not in tokenized:
+            tokenized = split_tail(tokenized["train"], data_args.validation_split_percentage / 100)
+        blocks = {split: pack(tokenized[split], data_args.block_size, workers) for split in tokenized}
+    needed = [split for split, wanted in (("train", do_train), ("validation", do_eval)) if wanted]
+    for split in needed:
+        if len(blocks[split]) == 0:
             raise DataError(
                 f"the {split} documents hold fewer tokens than one block of --block_size {data_args.block_size}"
             )
@@ -171,27 +272,62 @@ def prepare(model_args: ModelArguments, data_args: DataArguments, training_args:
 
 
 def train(model_args: ModelArguments, data_args: DataArguments, training_args: TrainingArguments) -> dict:
-    """Train, evaluate, and leave a complete folder: model, tokenizer, trainer_state, metrics, loss curve."""
+    """Train and/or evaluate; a training run leaves a complete folder: model, tokenizer, state, metrics, curve."""
+    do_train, do_eval = stages(training_args)
     set_seed(training_args.seed)
-    model, tokenizer, blocks = prepare(model_args, data_args, training_args)
+    model, tokenizer, blocks = prepare(model_args, data_args, training_args, do_train, do_eval)
     trainer = Trainer(
         model=model,
         args=training_args,
-        train_dataset=blocks["train"],
-        eval_dataset=blocks["validation"],
+        train_dataset=blocks["train"] if do_train else None,
+        eval_dataset=blocks["validation"] if do_eval else None,
         processing_class=tokenizer,
         data_collator=default_data_collator,
     )
-    result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    metrics = dict(result.metrics)
-    metrics.update(trainer.evaluate())
-    if trainer.is_world_process_zero():
-        trainer.save_model()
+    metrics = {}
+    if do_train:
+        result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        save_full_model(trainer.model_wrapped, training_args.output_dir, tokenizer)
+        metrics.update(result.metrics)
+        trainer.log_metrics("train", result.metrics)
+        trainer.save_metrics("train", result.metrics)
         trainer.save_state()
-        trainer.log_metrics("all", metrics)
-        trainer.save_metrics("all", metrics)
-        plot_loss(trainer.state.log_history, Path(training_args.output_dir) / "loss_curve.png")
+        if trainer.is_world_process_zero():
+            plot_loss(trainer.state.log_history, Path(training_args.output_dir) / "loss_curve.png")
+    if do_eval:
+        evaluation = trainer.evaluate()
+        evaluation["perplexity"] = perplexity(evaluation["eval_loss"])
+        metrics.update(evaluation)
+        trainer.log_metrics("eval", evaluation)
+        trainer.save_metrics("eval", evaluation)
     return metrics
+
+
+@contextmanager
+def process_log_levels(training_args: TrainingArguments):
+    """run_clm's logging: --log_level on the main process, --log_level_replica on the others; restored after,
+    since `lex train` also runs inside other Python programs (notebooks, tests)."""
+    saved = transformers.utils.logging.get_verbosity(), datasets.utils.logging.get_verbosity(), logger.level
+    if training_args.should_log:
+        transformers.utils.logging.set_verbosity_info()  # the default --log_level "passive" keeps this
+    level = training_args.get_process_log_level()
+    logger.setLevel(level)
+    datasets.utils.logging.set_verbosity(level)
+    transformers.utils.logging.set_verbosity(level)
+    transformers.utils.logging.enable_default_handler()
+    transformers.utils.logging.enable_explicit_format()
+    logger.warning(
+        "Process rank: %d of world size %d, device: %s, bf16: %s, fp16: %s",
+        training_args.process_index, training_args.world_size, training_args.device, training_args.bf16,
+        training_args.fp16,
+    )
+    try:
+        yield
+    finally:
+        transformers.utils.logging.set_verbosity(saved[0])
+        transformers.utils.logging.reset_format()
+        datasets.utils.logging.set_verbosity(saved[1])
+        logger.setLevel(saved[2])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,10 +337,13 @@ def main(argv: list[str] | None = None) -> int:
         model_args, data_args, training_args = parser.parse_json_file(json_file=args[0])
     else:
         model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=args)
+    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", datefmt="%m/%d/%Y %H:%M:%S")
     try:
-        metrics = train(model_args, data_args, training_args)
+        with process_log_levels(training_args):
+            metrics = train(model_args, data_args, training_args)
     except DataError as error:
         print(f"lex train: {error}", file=sys.stderr)
         return 2
-    print(json.dumps({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, indent=2))
+    if training_args.process_index == 0:
+        print(json.dumps({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, indent=2))
     return 0

@@ -1,8 +1,11 @@
-"""`lex train` on the HF Trainer: loss falls, folders load, DDP matches one process, resume is exact, errors are clean."""
+"""`lex train` on the HF Trainer: loss falls, folders load, every shipped launcher starts the processes it says and
+matches one process, FSDP2 leaves a full folder, resume is exact, corpora as users have them, errors are clean."""
 
 import json
+import logging
 import math
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -10,11 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lex.cli import main as lex
-from lex.data import kjv_books
+from lex.data import DataError, kjv_books, load_documents
 
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "lex" / "accelerate_configs"
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 TINY = "hidden_size=64,num_hidden_layers=2,num_attention_heads=2,intermediate_size=128"
 BASE = ["--block_size", "64", "--vocab_size", "512", "--learning_rate", "3e-3", "--use_cpu", "--report_to", "none",
         "--seed", "7", "--logging_steps", "1", "--eval_strategy", "no", "--per_device_train_batch_size", "8"]
@@ -63,20 +70,134 @@ def test_fine_tune_a_saved_folder(trained, corpus, tmp_path):
     assert AutoModelForCausalLM.from_pretrained(out).config.vocab_size == 512
 
 
-def test_two_processes_match_one(trained, corpus, tmp_path):
-    common = ["train", "--train_files", f"{corpus}/*.txt", "--config_overrides", TINY, "--tokenizer_name",
-              str(trained), "--max_steps", "10", "--save_strategy", "no", *BASE]
-    single = tmp_path / "single"
-    assert lex([*common, "--output_dir", str(single)]) == 0
-    ddp = tmp_path / "ddp"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    config = Path(__file__).resolve().parents[1] / "lex" / "accelerate_configs" / "ddp_cpu.yaml"
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "-m", "lex.cli"]
-    # split_batches: each process takes half of the same global batch of 8, as one process would see it.
-    run = subprocess.run([*launch, *common, "--output_dir", str(ddp), "--accelerator_config",
-                          '{"split_batches": true}'], env=env, capture_output=True, text=True, timeout=600)
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def ten_steps(corpus: Path, trained: Path) -> list[str]:
+    return ["train", "--train_files", f"{corpus}/*.txt", "--config_overrides", TINY, "--tokenizer_name", str(trained),
+            "--max_steps", "10", "--save_strategy", "no", *BASE]
+
+
+@pytest.fixture(scope="module")
+def one_process(corpus, trained, tmp_path_factory) -> Path:
+    """The reference of the multi-process runs: global batch 8 in one process."""
+    out = tmp_path_factory.mktemp("one_process") / "run"
+    assert lex([*ten_steps(corpus, trained), "--output_dir", str(out)]) == 0
+    return out
+
+
+@pytest.mark.parametrize("config", ["ddp_cpu", "multi_node"])
+def test_shipped_launch_config_starts_two_processes_that_match_one(config, one_process, trained, corpus, tmp_path):
+    """Each shipped CPU-testable accelerate config: world size 2 read from inside the run, and 2 x 4 per process
+    gives the one-process losses (batch 8). multi_node runs as two one-process "machines" on 127.0.0.1.
+
+    --log_level_replica error: a replica process is silent (per-process log levels).
+    """
+    out = tmp_path / "run"
+    args = [*ten_steps(corpus, trained), "--output_dir", str(out), "--per_device_train_batch_size", "4",
+            "--log_level_replica", "error"]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / f"{config}.yaml")]
+    if config == "ddp_cpu":
+        commands = [[*launch, "-m", "lex.cli", *args]]
+    else:
+        port = str(free_port())
+        commands = [[*launch, "--machine_rank", str(rank), "--num_processes", "2", "--main_process_ip", "127.0.0.1",
+                     "--main_process_port", port, "--mixed_precision", "no", "-m", "lex.cli", *args]
+                    for rank in (0, 1)]
+    runs = [subprocess.Popen(command, env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for command in commands]
+    logs = [run.communicate(timeout=600)[0] for run in runs]
+    assert all(run.returncode == 0 for run in runs), logs[-1][-3000:]
+    log = "\n".join(logs)
+    assert "Process rank: 0 of world size 2" in log
+    # rank 1 is a replica on one machine, but the main process of machine 1 (--log_on_each_node defaults to true)
+    assert ("Process rank: 1 of world size 2" in log) == (config == "multi_node")
+    assert abs(losses(out)[9] - losses(one_process)[9]) < 1e-3
+    assert AutoModelForCausalLM.from_pretrained(out).config.model_type == "lex"
+
+
+def test_processes_that_would_train_alone_are_refused(corpus, trained, tmp_path):
+    """The ddp_cpu launcher without --use_cpu on a CPU machine: each process would train alone. Nothing is written."""
+    out = tmp_path / "run"
+    args = [arg for arg in ten_steps(corpus, trained) if arg != "--use_cpu"]
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "ddp_cpu.yaml"),
+               "-m", "lex.cli", *args, "--output_dir", str(out)]
+    run = subprocess.run(command, env={**ENV, "CUDA_VISIBLE_DEVICES": ""}, cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode != 0
+    assert "2 processes were launched but each trains alone" in run.stderr
+    assert not out.exists()
+
+
+def test_fsdp2_over_gloo_final_folder_is_full_and_sharded_checkpoints_resume(trained, tmp_path):
+    """accelerate runs FSDP as DDP on CPU, so tests/fsdp2_gloo.py drives FSDP2 (`fully_shard`) over gloo and calls
+    the final save `lex train` uses (save_full_model) on both ranks; the references are independent: the gathered
+    in-memory weights (DTensor.full_tensor) and the uninterrupted run."""
+    from configuration_lex import LexConfig
+    from modeling_lex import LexForCausalLM
+    from tests.fsdp2_gloo import CONFIG, CHECKPOINT_AT
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), str(ROOT / "tests" / "fsdp2_gloo.py"), str(tmp_path), str(trained)]
+    run = subprocess.run(command, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert abs(losses(ddp)[9] - losses(single)[9]) < 1e-3
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["world_size"] == 2 and result["parameters_sharded"]
+    assert {"__0_0.distcp", "__1_0.distcp"} <= set(result["checkpoint_files"])  # one shard file per rank
+    assert result["resumed"] == pytest.approx(result["straight"][CHECKPOINT_AT:], abs=1e-6)
+
+    final = tmp_path / "final"
+    assert sorted(p.name for p in final.iterdir() if p.name.startswith(".")) == []  # no staging folder left
+    loaded = AutoModelForCausalLM.from_pretrained(final)
+    reference = LexForCausalLM(LexConfig(**CONFIG))
+    missing, unexpected = reference.load_state_dict(load_file(tmp_path / "reference.safetensors"), strict=False)
+    assert (missing, unexpected) == (["lm_head.weight"], [])  # tied to the embeddings
+    reference.tie_weights()
+    ids = torch.randint(0, CONFIG["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        difference = (loaded(ids).logits - reference.eval()(ids).logits).abs().max().item()
+    assert difference <= 1e-6
+    assert len(AutoTokenizer.from_pretrained(final)) == len(AutoTokenizer.from_pretrained(trained))
+
+
+def test_final_save_is_all_or_nothing(trained, tmp_path, monkeypatch):
+    """A crash while the final folder is written leaves no config.json (nothing loadable) and no staging folder."""
+    from lex.train import save_full_model
+
+    model = AutoModelForCausalLM.from_pretrained(trained)
+    tokenizer = AutoTokenizer.from_pretrained(trained)
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(type(tokenizer), "save_pretrained", crash)
+    with pytest.raises(OSError, match="disk full"):
+        save_full_model(model, tmp_path / "out", tokenizer)
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="accelerate's FSDP path needs GPUs (it is DDP on CPU)")
+def test_accelerate_fsdp_on_gpus_leaves_a_full_folder_and_resumes(trained, corpus, tmp_path):
+    """The shipped fsdp.yaml, SHARDED_STATE_DICT checkpoints: the final folder loads, resume reproduces the losses."""
+    gpus = torch.cuda.device_count()
+    args = ["train", "--train_files", f"{corpus}/*.txt", "--config_overrides", TINY, "--tokenizer_name", str(trained),
+            "--max_steps", "10", "--save_steps", "5", *[a for a in BASE if a != "--use_cpu"],
+            "--per_device_train_batch_size", "2"]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "fsdp.yaml"),
+              "--num_processes", str(gpus), "--main_process_port", str(free_port()), "-m", "lex.cli"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    for command in ([*launch, *args, "--output_dir", str(straight)],
+                    [*launch, *args, "--output_dir", str(resumed), "--resume_from_checkpoint",
+                     str(straight / "checkpoint-5")]):
+        run = subprocess.run(command, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert f"of world size {gpus}" in run.stdout + run.stderr
+    assert not (straight / "checkpoint-5" / "model.safetensors").exists()  # the checkpoints really are sharded
+    assert AutoModelForCausalLM.from_pretrained(straight).config.model_type == "lex"
+    assert losses(resumed)[-5:] == pytest.approx(losses(straight)[-5:], abs=1e-3)
 
 
 def test_resume_after_a_crash_equals_an_uninterrupted_run(trained, corpus, tmp_path, monkeypatch):
@@ -109,8 +230,12 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(trained, corpus, tmp_p
     ("no_files", "no file matches"),
     ("empty", "hold no text"),
     ("short", "fewer tokens than one block"),
+    ("short_single", "fewer tokens than one block"),
     ("too_long", "exceeds"),
     ("unknown_key", "unknown LexConfig field 'hiden_size'"),
+    ("bad_tokenizer", "--tokenizer_name"),
+    ("jsonl_without_text", "needs a 'text' column"),
+    ("dataset_without_text", "needs a 'text' column"),
 ])
 def test_bad_inputs_fail_clearly_and_keep_earlier_outputs(case, message, trained, corpus, tmp_path, capsys):
     out = tmp_path / "out"
@@ -126,10 +251,26 @@ def test_bad_inputs_fail_clearly_and_keep_earlier_outputs(case, message, trained
         for i in range(3):
             (tmp_path / f"short{i}.txt").write_text("Jesus wept.")
         files = str(tmp_path / "short*.txt")
+    elif case == "short_single":
+        (tmp_path / "novel.txt").write_text("Jesus wept. " * 40)
+        files = str(tmp_path / "novel.txt")
     elif case == "too_long":
         extra = ["--model_name_or_path", str(trained), "--block_size", "128"]
     elif case == "unknown_key":
         extra = ["--config_overrides", "hiden_size=64"]
+    elif case == "bad_tokenizer":
+        broken = tmp_path / "broken"
+        broken.mkdir()
+        (broken / "tokenizer.json").write_text("{not json")
+        extra = ["--tokenizer_name", str(broken)]
+    elif case == "jsonl_without_text":
+        (tmp_path / "body.jsonl").write_text('{"body": "In the beginning"}\n')
+        files = str(tmp_path / "body.jsonl")
+    elif case == "dataset_without_text":
+        from datasets import Dataset
+
+        Dataset.from_dict({"body": ["In the beginning"]}).save_to_disk(str(tmp_path / "saved"))
+        extra = ["--dataset_name", str(tmp_path / "saved"), "--train_files", ""]
     args = ["train", "--output_dir", str(out), "--train_files", files, "--tokenizer_name", str(trained), *BASE,
             "--max_steps", "2", *extra]
     if case != "unknown_key" and case != "too_long":
@@ -140,8 +281,6 @@ def test_bad_inputs_fail_clearly_and_keep_earlier_outputs(case, message, trained
 
 
 def test_embedded_corpus_is_the_bible_split_by_book():
-    from lex.data import load_documents
-
     books = kjv_books()
     assert len(books) == 66 and books[0]["title"] == "Genesis" and books[-1]["title"] == "Revelation"
     documents = load_documents()
@@ -158,8 +297,9 @@ def test_tokenizer_round_trips_text():
     assert torch.tensor(tokenizer(text).input_ids).max() < 400
 
 
-def test_fine_tune_a_converted_torchscale_folder(trained, corpus, tmp_path):
-    """A folder made by `lex convert-torchscale` fine-tunes with `lex train` (embeddings resized to the new BPE)."""
+def test_fine_tune_a_converted_torchscale_folder(trained, corpus, tmp_path, caplog):
+    """A folder made by `lex convert-torchscale` fine-tunes with `lex train` (embeddings resized to the new BPE),
+    and the log says that a new tokenizer is trained."""
     from tests.test_convert import BASE as DECODER, torchscale_decoder
 
     options = {**DECODER, "max_target_positions": 64}
@@ -169,8 +309,89 @@ def test_fine_tune_a_converted_torchscale_folder(trained, corpus, tmp_path):
     assert lex(["convert-torchscale", str(tmp_path / "decoder.pt"), str(converted), "--config",
                 str(tmp_path / "config.json")]) == 0
     out = tmp_path / "tuned"
-    assert lex(["train", "--output_dir", str(out), "--model_name_or_path", str(converted),
-                "--train_files", f"{corpus}/*.txt", "--max_steps", "5", "--save_strategy", "no", *BASE]) == 0
+    with caplog.at_level(logging.WARNING, logger="lex.train"):
+        assert lex(["train", "--output_dir", str(out), "--model_name_or_path", str(converted),
+                    "--train_files", f"{corpus}/*.txt", "--max_steps", "5", "--save_strategy", "no", *BASE]) == 0
+    assert any("holds no tokenizer: training a byte-level BPE" in r.getMessage() for r in caplog.records)
     tuned = AutoModelForCausalLM.from_pretrained(out)
     assert tuned.config.hidden_size == 32 and tuned.config.vocab_size >= 512
     assert len(losses(out)) == 5 and all(math.isfinite(x) for x in losses(out))
+
+
+def test_one_text_file_trains_on_its_head_and_evaluates_on_its_tail(trained, corpus, tmp_path):
+    """One .txt is one document: the last 5% of its tokens (--validation_split_percentage) is the validation split.
+
+    Independent check: the saved model's loss on the tail blocks, computed here, is the reported eval_loss, and
+    perplexity = exp(eval_loss) is in all_results.json.
+    """
+    novel = tmp_path / "novel.txt"
+    novel.write_text("\n\n".join(p.read_text() for p in sorted(corpus.glob("*.txt"))))
+    out = tmp_path / "out"
+    assert lex(["train", "--output_dir", str(out), "--train_files", str(novel), "--config_overrides", TINY,
+                "--tokenizer_name", str(trained), "--max_steps", "5", "--save_strategy", "no", *BASE]) == 0
+    results = json.loads((out / "all_results.json").read_text())
+    assert results["perplexity"] == pytest.approx(math.exp(results["eval_loss"]))
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    ids = tokenizer(novel.read_text(), add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+    tail = ids[len(ids) - round(len(ids) * 0.05):]
+    blocks = torch.tensor(tail[: len(tail) // 64 * 64]).view(-1, 64)
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        expected = torch.stack([model(b[None], labels=b[None]).loss for b in blocks]).mean().item()
+    assert len(blocks) >= 2 and results["eval_loss"] == pytest.approx(expected, abs=1e-4)
+
+
+def test_corpora_as_users_have_them(corpus, tmp_path):
+    """A folder of .txt, .jsonl with a text field, a save_to_disk folder (Dataset or DatasetDict), a folder that
+    load_dataset reads; a single document leaves the validation split to the token tail."""
+    from datasets import Dataset, DatasetDict
+
+    texts = [p.read_text() for p in sorted(corpus.glob("*.txt"))]
+    folder = load_documents(train_files=str(corpus), validation_fraction=0.25, seed=0)
+    assert (len(folder["train"]), len(folder["validation"])) == (6, 2)
+    assert sorted([*folder["train"]["text"], *folder["validation"]["text"]]) == sorted(texts)
+
+    (tmp_path / "lines.jsonl").write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts)))
+    lines = load_documents(train_files=str(tmp_path / "lines.jsonl"), validation_fraction=0.25, seed=0)
+    assert lines["train"].column_names == ["text"] and len(lines["validation"]) == 2
+
+    Dataset.from_dict({"text": texts, "id": list(range(8))}).save_to_disk(str(tmp_path / "saved"))
+    saved = load_documents(dataset_name=str(tmp_path / "saved"), validation_fraction=0.25, seed=0)
+    assert saved["train"].column_names == ["text"] and len(saved["validation"]) == 2
+
+    DatasetDict(train=Dataset.from_dict({"text": texts[:6]}), validation=Dataset.from_dict({"text": texts[6:]})
+                ).save_to_disk(str(tmp_path / "saved_dict"))
+    saved_dict = load_documents(dataset_name=str(tmp_path / "saved_dict"))
+    assert list(saved_dict["validation"]["text"]) == texts[6:]
+
+    (tmp_path / "repository").mkdir()
+    (tmp_path / "repository" / "train.jsonl").write_text((tmp_path / "lines.jsonl").read_text())
+    repository = load_documents(dataset_name=str(tmp_path / "repository"), validation_fraction=0.25, seed=0)
+    assert len(repository["train"]) + len(repository["validation"]) == 8
+
+    mixed = load_documents(train_files=f"{corpus}/Genesis.txt,{tmp_path}/lines.jsonl", validation_fraction=0.25)
+    assert len(mixed["train"]) + len(mixed["validation"]) == 9
+
+    single = load_documents(train_files=str(corpus / "Genesis.txt"))
+    assert list(single) == ["train"] and list(single["train"]["text"]) == [(corpus / "Genesis.txt").read_text()]
+    with pytest.raises(DataError, match="alternatives"):
+        load_documents(train_files=str(corpus), dataset_name=str(tmp_path / "saved"))
+
+
+def test_do_train_and_do_eval_as_in_run_clm(trained, corpus, tmp_path):
+    """--do_train alone trains and saves without evaluating; --do_eval alone evaluates a model and writes no model."""
+    common = ["--train_files", f"{corpus}/*.txt", "--tokenizer_name", str(trained), "--max_steps", "3",
+              "--save_strategy", "no", *BASE]
+    trained_only = tmp_path / "train_only"
+    assert lex(["train", "--output_dir", str(trained_only), "--config_overrides", TINY, "--do_train", *common]) == 0
+    assert (trained_only / "model.safetensors").is_file() and (trained_only / "train_results.json").is_file()
+    assert not (trained_only / "eval_results.json").exists()
+    assert "perplexity" not in json.loads((trained_only / "all_results.json").read_text())
+
+    evaluated = tmp_path / "eval_only"
+    assert lex(["train", "--output_dir", str(evaluated), "--model_name_or_path", str(trained), "--do_eval",
+                *common]) == 0
+    results = json.loads((evaluated / "all_results.json").read_text())
+    assert "perplexity" in results and "train_loss" not in results
+    assert not (evaluated / "model.safetensors").exists() and not (evaluated / "train_results.json").exists()
