@@ -228,6 +228,28 @@ def _unfolded_tile(config, ctx: AttentionContext, dtype: torch.dtype, aligned: b
     return Tile(slice(0, total), None, factors, mask, distance, unfold=(chunk, left))
 
 
+def _uniform_unfolded_tile(config, ctx: AttentionContext, dtype: torch.dtype, first: int) -> Tile:
+    """Queries from `first` on, in chunks of c, when every chunk sees the same pattern: one document from stream
+    index 0 with consecutive positions and no padding, chunks aligned with blocks and every reachable key present.
+
+    Position factors, mask and bias are then one (c, L + c) pattern broadcast over all chunks, built once.
+    """
+    total = ctx.query_positions.shape[1]
+    chunk = config.attention_window // 2
+    left = chunk if config.attention_mode == "blockwise" else config.attention_window - 1
+    device = ctx.query_positions.device
+    q_rel = torch.arange(chunk, device=device)[None]
+    k_rel = torch.arange(-left, chunk, device=device)[None]
+    factors, bias, distance = _position_terms(config, q_rel, k_rel)
+    if factors is not None:
+        factors = tuple(f.unsqueeze(1) for f in factors)  # (1, 1, len, d)
+    q_index = first + q_rel[0, :, None]
+    k_index = first + k_rel[0, None, :]
+    allowed = visible(config, q_index, k_index, torch.zeros((), dtype=torch.long, device=device))
+    return Tile(slice(first, total), None, factors, _additive(allowed[None, None], bias, dtype), distance,
+                unfold=(chunk, left))
+
+
 def build_plan(
     config, ctx: AttentionContext, dtype: torch.dtype, attention_maps: bool = False, aligned: bool = False
 ) -> AttentionPlan:
@@ -245,6 +267,9 @@ def build_plan(
         tiles = [_dense_tile(config, ctx, slice(0, total), slice(0, n_keys), dtype, plain)]
         return AttentionPlan(tiles, attention_maps)
     if config.attention_mode != "full":
+        if ctx.causal_only and aligned:  # the first w queries are plainly causal, the rest share one pattern
+            first = _dense_tile(config, ctx, slice(0, window), slice(0, window), dtype, plain=True)
+            return AttentionPlan([first, _uniform_unfolded_tile(config, ctx, dtype, window)])
         return AttentionPlan([_unfolded_tile(config, ctx, dtype, aligned)])
     cached = n_keys - total
     tiles = [
@@ -283,7 +308,8 @@ def eager_attention_forward(
 
 
 def _unfold_keys(x: torch.Tensor, total: int, chunk: int, left: int) -> torch.Tensor:
-    """(B, H, cached+total, d) keys -> (B*chunks, H, left+chunk, d): chunk j gets keys cached-left+j*c onwards."""
+    """(B, H, K, d) keys, the last `total` of them the chunked queries' own -> (B*chunks, H, left+chunk, d):
+    chunk j gets keys K-total-left+j*c onwards."""
     cached = x.shape[2] - total
     n_chunks = -(-total // chunk)
     before = max(left - cached, 0)
@@ -320,9 +346,10 @@ def run_attention(
     for tile in plan.tiles:
         if tile.unfold is not None:
             chunk, left = tile.unfold
-            q = _chunk_queries(query, total, chunk)
-            k = _unfold_keys(key, total, chunk, left)
-            v = _unfold_keys(value, total, chunk, left)
+            count = tile.query_slice.stop - tile.query_slice.start
+            q = _chunk_queries(query[:, :, tile.query_slice], count, chunk)
+            k = _unfold_keys(key, count, chunk, left)
+            v = _unfold_keys(value, count, chunk, left)
         else:
             q, k, v = query[:, :, tile.query_slice], key[:, :, tile.key_slice], value[:, :, tile.key_slice]
         if tile.factors is not None:
@@ -333,7 +360,7 @@ def run_attention(
             module, q, k, v, tile.mask, dropout=dropout, scaling=module.scaling, position_bias=bias, is_causal=True
         )
         if tile.unfold is not None:
-            out = out.unflatten(0, (batch, -1)).flatten(1, 2)[:, :total]
+            out = out.unflatten(0, (batch, -1)).flatten(1, 2)[:, :count]
         outputs.append(out)
     output = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
     return output, weights if plan.attention_maps else None
