@@ -394,3 +394,16 @@ def test_static_cache_generates_what_the_default_cache_does(mode):
     beams = dict(num_beams=2, max_new_tokens=W + 3, attention_mask=mask)
     assert torch.equal(greedy(model, ids, cache_implementation="static", **beams).sequences,
                        greedy(model, ids, **beams).sequences)
+
+
+def test_attention_maps_while_generating_cover_the_held_keys():
+    """What transformers' common suite expects of an unbounded cache, for a bounded one: each step's map spans
+    the keys the cache held plus the new token (at most w), sums to 1, and shows the window."""
+    model = perturbed_model(tiny_config(attention_mode="sliding"))
+    model.set_attn_implementation("eager")
+    out = greedy(model, prompt(1, 5), max_new_tokens=2 * W, output_attentions=True)
+    for step, maps in enumerate(out.attentions[1:], start=1):
+        seen = 5 + step - 1
+        for layer_map in maps:
+            assert layer_map.shape == (1, 2, 1, min(seen, W - 1) + 1)
+            torch.testing.assert_close(layer_map.sum(-1), torch.ones(1, 2, 1))
