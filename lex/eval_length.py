@@ -45,15 +45,17 @@ HEAD_TOKENS = 1024  # at most this many positions (summed over the batch) have v
 def _scored_states(model, ids: torch.Tensor) -> tuple[Iterator[tuple[int, torch.Tensor]], Callable]:
     """(first position, states) pieces covering `ids`, and the head that turns a slice of states into logits.
 
-    A LEX model reads the window w tokens at a time through a fresh LexCache (the incremental form of its
+    A LEX model reads the window 2w tokens at a time through a fresh LexCache (the incremental form of its
     forward), so blockwise and sliding attention hold O(w) keys and activations for any length; full attention
-    keeps every key, by nature. Other causal LMs give their logits in one forward.
+    keeps every key, by nature. 2w rather than w: a forward of more than w new tokens runs each query against
+    its <= w keys, one of w or fewer against all w + held keys (12% slower per token at w = 1024 on CPU).
+    Other causal LMs give their logits in one forward.
     """
     if not isinstance(model, LexForCausalLM):
         return iter([(0, model(ids).logits)]), nn.Identity()
 
     def stream() -> Iterator[tuple[int, torch.Tensor]]:
-        cache, step = LexCache(model.config), model.config.attention_window
+        cache, step = LexCache(model.config), 2 * model.config.attention_window
         for start in range(0, ids.shape[1], step):
             chunk = ids[:, start : start + step]
             yield start, model.model(input_ids=chunk, past_key_values=cache, use_cache=True).last_hidden_state

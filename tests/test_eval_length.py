@@ -145,14 +145,15 @@ def largest_tensor(model: LexForCausalLM, tokens: int) -> int:
 
 @pytest.mark.parametrize("mode", ["full", "blockwise", "sliding"])
 def test_evaluation_memory_does_not_grow_with_the_document(mode):
-    """2w vs 32w tokens (w = 32, vocab 500): blockwise and sliding allocate nothing larger at 32w; full attention
-    keeps its keys (O(n) by nature) but never the window's n x vocab logits."""
-    model = tiny_lex(mode, window=32, vocab=500)
+    """2w vs 32w tokens (w = 32, hidden 32, vocab 250): blockwise and sliding allocate nothing larger at 32w (the
+    2w document's last logits slice is one position shorter, hence 2%); full attention keeps its keys (O(n) by
+    nature) but never the window's n x vocab logits."""
+    model = tiny_lex(mode, window=32, vocab=250)
     short, long = largest_tensor(model, 64), largest_tensor(model, 1024)
     if mode == "full":
-        assert long < 1024 * 500 * 4
+        assert long < 1024 * 250 * 4
     else:
-        assert long == short
+        assert long <= 1.02 * short
 
 
 @pytest.mark.parametrize("protocol", ["segments", "strided"])
