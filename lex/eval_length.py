@@ -48,8 +48,8 @@ def _scored_states(model, ids: torch.Tensor) -> tuple[Iterator[tuple[int, torch.
     A LEX model reads the window 2w tokens at a time through a fresh LexCache (the incremental form of its
     forward), so blockwise and sliding attention hold O(w) keys and activations for any length; full attention
     keeps every key, by nature. 2w rather than w: a forward of more than w new tokens runs each query against
-    its <= w keys, one of w or fewer against all w + held keys (12% slower per token at w = 1024 on CPU).
-    Other causal LMs give their logits in one forward.
+    its <= w keys, one of w or fewer against all w + held keys (measured at w = 1024 on one CPU thread: 0.73
+    against 0.83 s per 1,024 tokens). Other causal LMs give their logits in one forward.
     """
     if not isinstance(model, LexForCausalLM):
         return iter([(0, model(ids).logits)]), nn.Identity()
@@ -73,16 +73,16 @@ def _window_nll(model, ids: torch.Tensor, score_from: int, bar: tqdm) -> tuple[f
     batch, length = ids.shape
     pieces, head = _scored_states(model, ids)
     span = max(1, HEAD_TOKENS // batch)
-    nll = torch.zeros((), dtype=torch.float64, device=ids.device)
+    nll = 0.0
     for start, states in pieces:
         stop = start + states.shape[1]
         for first in range(max(start, score_from), min(stop, length - 1), span):
             last = min(first + span, stop, length - 1)
             logits = head(states[:, first - start : last - start]).float()
             targets = ids[:, first + 1 : last + 1]
-            nll += torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+            nll += torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum").item()
         bar.update(batch * (stop - start))
-    return nll.item(), batch * (length - 1 - score_from)
+    return nll, batch * (length - 1 - score_from)
 
 
 def windows(document: torch.Tensor, length: int, protocol: str) -> list[tuple[int, int, int]]:
