@@ -4,9 +4,10 @@ A random LEX model (default 4 layers, hidden 256, l = w = 1024, vocab 32,000, bl
 tokens of one long document, the whole embedded KJV concatenated, its UTF-8 bytes taken as token ids (0-255,
 inside the vocabulary; no tokenizer needed), in the strided protocol at length N (one window: one pass over
 the document), batch 1. Each length runs in a fresh process, so its peak RSS (VmHWM) is its own; tokens/s
-is N over the wall time of the evaluation call alone (model built and document cut before). The CPU is shared:
-each run also records the 1-minute load average and N per CPU second of the process (less sensitive to the
-other users of the machine than wall time).
+is N over the wall time of the evaluation call alone (model built, document cut and one w-token evaluation run
+before: first-touch allocations are no per-token cost; at N = l they were a third of a cold call's CPU time).
+The CPU is shared: each run also records the 1-minute load average and N per CPU second of the process (less
+sensitive to the other users of the machine than wall time).
 
     python benchmarks/eval_speed.py [--lengths 1024,65536,1048576] [--threads 1] [--output eval_speed.json]
 """
@@ -53,6 +54,7 @@ def one(args) -> dict:
                        max_position_embeddings=args.window, attention_mode=args.mode)
     model = LexForCausalLM(config).eval()
     ids = document(args.one)
+    perplexity_by_length(model, [ids[: args.window]], [args.window], "strided", batch_size=1)
     load_before = os.getloadavg()[0]
     began, cpu_began = time.perf_counter(), time.process_time()
     score = perplexity_by_length(model, [ids], [args.one], "strided", batch_size=1, progress=args.progress)[args.one]
