@@ -18,6 +18,7 @@ SMALL = {
     "model_speed.py": ["--steps", "2", "--lengths", "1024,8192"],
     "generate_speed.py": ["--contexts", "1000,10000", "--llama-contexts", "1000", "--new", "32"],
     "train_speed.py": ["--steps", "10"],
+    "eval_speed.py": ["--lengths", "1024,8192"],
 }
 
 

@@ -1,4 +1,4 @@
-"""Perplexity by length (evaluate module and CLI), attention resolution, passkey, and `lex demo --quick`."""
+"""Perplexity by length (streamed evaluator, evaluate module, CLI), attention resolution, passkey, demo --quick."""
 
 import json
 import math
@@ -7,8 +7,11 @@ from pathlib import Path
 import evaluate
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from configuration_lex import LexConfig
+from lex import eval_length
 from lex.cli import main as lex
 from lex.data import kjv_books, train_tokenizer
 from lex.resolution import analytic_curve, resolution
@@ -35,6 +38,20 @@ def texts() -> list[str]:
     return [b["text"][:3000] for b in kjv_books()[40:43]]
 
 
+def spans(budget: int, length: int, protocol: str) -> list[tuple[int, int, int]]:
+    """(begin, end, first scored position) of each window over a document's first `budget` tokens."""
+    if protocol == "segments":
+        return [(s, s + length, s + 1) for s in range(0, budget - length + 1, length)]
+    out, previous_end = [], 0  # HF's fixed-length recipe: windows every length/2, each token scored once
+    for begin in range(0, budget, length // 2):
+        end = min(begin + length, budget)
+        out.append((begin, end, max(previous_end, begin + 1)))
+        previous_end = end
+        if end == budget:
+            break
+    return out
+
+
 def hand_computed(folder: Path, texts: list[str], length: int, protocol: str, budget: int) -> float:
     """The two protocols written out token by token, independently of lex.eval_length."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -44,23 +61,99 @@ def hand_computed(folder: Path, texts: list[str], length: int, protocol: str, bu
     nll, count = 0.0, 0
     for text in texts:
         ids = tokenizer(text, add_special_tokens=False).input_ids[:budget]
-        if protocol == "segments":
-            spans = [(s, s + length, s + 1) for s in range(0, budget - length + 1, length)]
-        else:  # HF's fixed-length recipe: windows every length/2, each token scored once
-            spans, previous_end = [], 0
-            for begin in range(0, budget, length // 2):
-                end = min(begin + length, budget)
-                spans.append((begin, end, max(previous_end, begin + 1)))
-                previous_end = end
-                if end == budget:
-                    break
-        for begin, end, first_scored in spans:
+        for begin, end, first_scored in spans(budget, length, protocol):
             with torch.no_grad():
                 log_probs = model(torch.tensor([ids[begin:end]])).logits[0].log_softmax(-1)
             for position in range(first_scored, end):
                 nll -= log_probs[position - 1 - begin, ids[position]].item()
                 count += 1
     return math.exp(nll / count)
+
+
+def full_logits_nll(model, documents: list[torch.Tensor], length: int, protocol: str) -> tuple[float, int]:
+    """The evaluator before streaming (the spec): each window in one forward, its full logits, one cross-entropy."""
+    nll, count = 0.0, 0
+    for document in documents:
+        for begin, end, first_scored in spans(len(document), length, protocol):
+            with torch.no_grad():
+                logits = model(document[None, begin:end]).logits[0, first_scored - 1 - begin : -1]
+            targets = document[first_scored:end]
+            nll += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
+            count += len(targets)
+    return nll, count
+
+
+def tiny_lex(mode: str, window: int = 16, vocab: int = 300) -> LexForCausalLM:
+    torch.manual_seed(0)
+    config = LexConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=2, max_position_embeddings=window, attention_mode=mode)
+    return LexForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("protocol", ["segments", "strided"])
+@pytest.mark.parametrize("mode", ["full", "blockwise", "sliding"])
+def test_streamed_evaluation_equals_full_logits(mode, protocol, monkeypatch):
+    """w = 16; windows shorter than, equal to and several times w, batched by 2 over 3 documents, and logits
+    taken 3 positions at a time so that slices cut through the w-token chunks."""
+    monkeypatch.setattr(eval_length, "HEAD_TOKENS", 6)
+    model = tiny_lex(mode)
+    generator = torch.Generator().manual_seed(1)
+    documents = [torch.randint(0, 300, (n,), generator=generator) for n in (100, 100, 130)]
+    lengths = [8, 16, 40, 100]
+    scores = eval_length.perplexity_by_length(model, documents, lengths, protocol, batch_size=2)
+    for length in lengths:
+        nll, count = full_logits_nll(model, [d[:100] for d in documents], length, protocol)
+        assert scores[length].tokens == count
+        assert scores[length].nll == pytest.approx(nll, rel=1e-5), length
+
+
+def test_other_causal_lms_are_scored_as_before():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2)).eval()
+    documents = [torch.randint(0, 300, (70,)) for _ in range(2)]
+    scores = eval_length.perplexity_by_length(model, documents, [16, 70], "strided", batch_size=2)
+    for length in (16, 70):
+        nll, count = full_logits_nll(model, documents, length, "strided")
+        assert (scores[length].tokens, scores[length].nll) == (count, pytest.approx(nll, rel=1e-5))
+
+
+class LargestTensor(TorchDispatchMode):
+    """The size in bytes of the largest tensor any operation produces while the mode is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                self.bytes = max(self.bytes, tensor.numel() * tensor.element_size())
+        return out
+
+
+def largest_tensor(model: LexForCausalLM, tokens: int) -> int:
+    """The largest tensor of the evaluation of one `tokens`-long document as one strided window."""
+    document = torch.randint(0, model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
+    with LargestTensor() as probe:
+        eval_length.perplexity_by_length(model, [document], [tokens], "strided", batch_size=1)
+    return probe.bytes
+
+
+@pytest.mark.parametrize("mode", ["full", "blockwise", "sliding"])
+def test_evaluation_memory_does_not_grow_with_the_document(mode):
+    """2w vs 32w tokens (w = 32, hidden 32, vocab 250): blockwise and sliding allocate nothing larger at 32w (the
+    2w document's last logits slice is one position shorter, hence 2%); full attention keeps its keys (O(n) by
+    nature) but never the window's n x vocab logits."""
+    model = tiny_lex(mode, window=32, vocab=250)
+    short, long = largest_tensor(model, 64), largest_tensor(model, 1024)
+    if mode == "full":
+        assert long < 1024 * 250 * 4
+    else:
+        assert long <= 1.02 * short
 
 
 @pytest.mark.parametrize("protocol", ["segments", "strided"])
@@ -98,7 +191,8 @@ def test_eval_length_cli_writes_everything(folder, texts, tmp_path, capsys):
     assert lex(["eval-length", str(folder), "--files", f"{files}/*.txt", "--lengths", "8,16,64",
                 "--attention_modes", "full,blockwise,sliding", "--output_dir", str(out), "--resolution",
                 "--passkey"]) == 0
-    printed = capsys.readouterr().out
+    printed, bars = capsys.readouterr()
+    assert "token/s" in bars  # the progress bar counts tokens read
     assert "| model | attention | 8 | 16 | 64 |" in printed and "resolution" in printed and "passkey" in printed
     rows = json.loads((out / "results.json").read_text())
     assert {r["attention_mode"] for r in rows} == {"full", "blockwise", "sliding"} and len(rows) == 3 * 2 * 3

@@ -7,7 +7,8 @@
 
 `protocol="segments"` is the LEX paper's (the first max(lengths) tokens of each text cut into non-overlapping
 segments of each length, each read from a cold start); `protocol="strided"` moves a window of each length by
-half a window, so every scored token has as much context as the length allows.
+half a window, so every scored token has as much context as the length allows. A LEX model in blockwise or
+sliding mode reads a window of any length (a 1,000,000-token document) in memory that does not grow with it.
 """
 
 import datasets
@@ -32,6 +33,7 @@ Args:
     protocol (str): "segments" (default) or "strided".
     attention_mode (str, optional): override a LEX model's attention_mode ("full", "blockwise", "sliding").
     batch_size (int): windows per forward. device (str): "cpu" (default) or "cuda".
+    progress (bool): a progress bar in tokens read.
 Returns:
     {"lengths": [...], "perplexities": [...], "tokens": [...]}
 """
@@ -48,10 +50,10 @@ class LengthPerplexity(evaluate.Metric):
         )
 
     def _compute(self, predictions, model_id, lengths, protocol="segments", attention_mode=None, batch_size=8,
-                 device="cpu"):
+                 device="cpu", progress=False):
         model = load_model(model_id, attention_mode, device)
         documents = tokenized_documents(AutoTokenizer.from_pretrained(model_id), predictions)
-        scores = perplexity_by_length(model, documents, sorted(lengths), protocol, batch_size)
+        scores = perplexity_by_length(model, documents, sorted(lengths), protocol, batch_size, progress)
         return {
             "lengths": list(scores),
             "perplexities": [score.ppl for score in scores.values()],
