@@ -19,6 +19,7 @@ SMALL = {
     "generate_speed.py": ["--contexts", "1000,10000", "--llama-contexts", "1000", "--new", "32"],
     "train_speed.py": ["--steps", "10"],
     "eval_speed.py": ["--lengths", "1024,8192"],
+    "compile_speed.py": ["--contexts", "1000,10000", "--layers", "2", "--new", "32", "--steps", "2"],
 }
 
 
