@@ -102,10 +102,10 @@ def main(argv=None) -> int:
         jobs += [{"what": "decode", "kind": "lex", "compiled": False, "context": context},
                  {"what": "decode", "kind": "lex", "compiled": True, "context": context}]
     jobs.append({"what": "decode", "kind": "llama", "compiled": True, "context": contexts[0]})
-    passthrough = [a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--output")]
+    settings = [f"--{key}={value}" for key, value in vars(args).items() if key not in ("output", "job")]
     rows = []
     for job in jobs:
-        run = subprocess.run([sys.executable, __file__, *passthrough, "--job", json.dumps(job)],
+        run = subprocess.run([sys.executable, __file__, *settings, "--job", json.dumps(job)],
                              capture_output=True, text=True)
         if run.returncode:
             raise RuntimeError(f"{job} failed:\n{run.stderr[-3000:]}")
