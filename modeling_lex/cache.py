@@ -105,29 +105,30 @@ class LexCache(DynamicCache):
     def extend(
         self, query_positions: torch.Tensor, new_valid: torch.Tensor, plain: bool
     ) -> tuple[AttentionContext, int | None]:
-        """Register the new tokens of a forward; returns the attention context and how many keys layers keep."""
+        """Register the new tokens of a forward; returns the attention context and how many keys layers keep.
+
+        `plain`: the caller's tokens are one document continuing the stream without padding.
+        """
         batch, length = query_positions.shape
-        device = query_positions.device
         if self.state is None:
-            self.state = StreamState.fresh(batch, device)
-        query_index = torch.arange(self.seen, self.seen + length, device=device)
+            self.state = StreamState.fresh(batch, query_positions.device)
+        query_index = torch.arange(self.seen, self.seen + length, device=query_positions.device)
         # While recording, hold what this forward reads until crop() says how much of it stays.
         recorded = self._keep(self.seen, self.held) + length if self.record_past else None
         document_start, after = document_starts(query_positions, new_valid, query_index, self.state)
         self._last = (self.state, self.seen, query_positions, new_valid)
         self.plain = self.plain and plain
-        causal_only = self.plain and self.held == 0
+        key_positions, key_valid, key_index = query_positions, new_valid, query_index
         if self.held:
-            query_positions = torch.cat([self.positions, query_positions], dim=1)
-            new_valid = torch.cat([self.valid, new_valid], dim=1)
-            query_index = torch.cat([self.index, query_index])
-        ctx = AttentionContext(
-            self._last[2], query_positions, new_valid, query_index[-length:], query_index, document_start, causal_only
-        )
+            key_positions = torch.cat([self.positions, query_positions], dim=1)
+            key_valid = torch.cat([self.valid, new_valid], dim=1)
+            key_index = torch.cat([self.index, query_index])
+        ctx = AttentionContext(query_positions, key_positions, key_valid, query_index, key_index, document_start,
+                               causal_only=self.plain and self.held == 0)
         self.seen += length
         self.state = after
-        keep = recorded if self.record_past else self._keep(self.seen, query_index.shape[0])
-        self._hold(query_positions, new_valid, query_index, keep)
+        keep = recorded if self.record_past else self._keep(self.seen, key_index.shape[0])
+        self._hold(key_positions, key_valid, key_index, keep)
         return ctx, keep
 
     def _hold(self, positions: torch.Tensor, valid: torch.Tensor, index: torch.Tensor, keep: int) -> None:

@@ -202,10 +202,10 @@ class LexModel(LexPreTrainedModel):
         Returns the context, how many keys a LexCache should hold on to, and whether every row is one document
         starting on a block boundary (blockwise chunks then need b keys of context instead of w - 1).
         """
-        lex_cache = isinstance(past_key_values, LEX_CACHES)
-        compiling = torch.compiler.is_compiling()
         if attention_mask is not None and attention_mask.dim() == 4:
             return self._custom_mask_context(batch, length, device, attention_mask, position_ids, past_key_values)
+        lex_cache = isinstance(past_key_values, LEX_CACHES)
+        compiling = torch.compiler.is_compiling()
         if past_key_values is None:
             seen = 0
         else:
@@ -279,12 +279,13 @@ class LexModel(LexPreTrainedModel):
         index = torch.arange(length, device=device)
         valid = torch.ones(batch, length, dtype=torch.bool, device=device)
         start = torch.zeros(batch, length, dtype=torch.long, device=device)
-        ctx = AttentionContext(position_ids, position_ids, valid, index, index, start, allowed=allowed.expand(batch, -1, -1, -1))
-        if past_key_values is not None:  # an empty cache takes the keys; documents carry on from index 0
-            ctx_cache, keep = past_key_values.extend(position_ids, valid, plain=False)
-            ctx.key_index, ctx.query_index = ctx_cache.key_index, ctx_cache.query_index
-            return ctx, keep, False
-        return ctx, None, False
+        ctx = AttentionContext(
+            position_ids, position_ids, valid, index, index, start, allowed=allowed.expand(batch, -1, -1, -1)
+        )
+        keep = None
+        if isinstance(past_key_values, LEX_CACHES):  # an empty LEX cache registers the tokens as one stream
+            _, keep = past_key_values.extend(position_ids, valid, plain=False)
+        return ctx, keep, False
 
     def embed(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, positions: torch.Tensor):
         """TorchScale's forward_embedding: scale, [absolute sinusoidal positions], [LayerNorm], dropout."""
