@@ -183,14 +183,32 @@ def tokenize_documents(documents: Dataset, tokenizer, num_proc: int | None = Non
                          desc="tokenize")
 
 
-def pack(tokenized: Dataset, block_size: int, num_proc: int | None = None) -> Dataset:
-    """Concatenate documents and cut blocks of `block_size` (run_clm's group_texts); labels = input_ids."""
+PACKINGS = ("concatenate", "documents")
+
+
+def pack(tokenized: Dataset, block_size: int, num_proc: int | None = None, packing: str = "concatenate") -> Dataset:
+    """Concatenate documents and cut blocks of `block_size` (run_clm's group_texts); labels = input_ids.
+
+    packing="documents" also gives each block `position_ids` that restart at every document, so a LEX model
+    computes each document as if alone (no attention across documents), and labels the first token of each
+    document -100 (nothing before it in its document predicts it), as DataCollatorWithFlattening does.
+    """
+    if packing not in PACKINGS:
+        raise DataError(f"--packing {packing!r} is not one of {list(PACKINGS)}")
 
     def group(batch):
         ids = [token for document in batch["input_ids"] for token in document]
         usable = len(ids) // block_size * block_size
         blocks = [ids[i : i + block_size] for i in range(0, usable, block_size)]
-        return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
+        if packing == "concatenate":
+            return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
+        positions = [position for document in batch["input_ids"] for position in range(len(document))]
+        labels = [-100 if position == 0 else token for token, position in zip(ids, positions)]
+        return {
+            "input_ids": blocks,
+            "position_ids": [positions[i : i + block_size] for i in range(0, usable, block_size)],
+            "labels": [labels[i : i + block_size] for i in range(0, usable, block_size)],
+        }
 
     return tokenized.map(group, batched=True, batch_size=1000, remove_columns=tokenized.column_names,
                          num_proc=num_proc, desc=f"pack into blocks of {block_size}")

@@ -76,6 +76,11 @@ class DataArguments:
                           "document (one .txt), percent of its token stream taken from the end"},
     )
     preprocessing_num_workers: int | None = field(default=None)
+    packing: str = field(
+        default="concatenate",
+        metadata={"help": "concatenate (run_clm's blocks) or documents: blocks whose documents do not attend to "
+                          "each other (position_ids restart at each document)"},
+    )
 
 
 def parse_overrides(text: str | None) -> dict:
@@ -261,7 +266,7 @@ def prepare(
         tokenized = {split: tokenize_documents(documents[split], tokenizer, workers) for split in documents}
         if "validation" not in tokenized:
             tokenized = split_tail(tokenized["train"], data_args.validation_split_percentage / 100)
-        blocks = {split: pack(tokenized[split], data_args.block_size, workers) for split in tokenized}
+        blocks = {split: pack(tokenized[split], data_args.block_size, workers, data_args.packing) for split in tokenized}
     needed = [split for split, wanted in (("train", do_train), ("validation", do_eval)) if wanted]
     for split in needed:
         if len(blocks[split]) == 0:

@@ -236,6 +236,7 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(trained, corpus, tmp_p
     ("bad_tokenizer", "--tokenizer_name"),
     ("jsonl_without_text", "needs a 'text' column"),
     ("dataset_without_text", "needs a 'text' column"),
+    ("bad_packing", "--packing 'docs' is not one of ['concatenate', 'documents']"),
 ])
 def test_bad_inputs_fail_clearly_and_keep_earlier_outputs(case, message, trained, corpus, tmp_path, capsys):
     out = tmp_path / "out"
@@ -271,6 +272,8 @@ def test_bad_inputs_fail_clearly_and_keep_earlier_outputs(case, message, trained
 
         Dataset.from_dict({"body": ["In the beginning"]}).save_to_disk(str(tmp_path / "saved"))
         extra = ["--dataset_name", str(tmp_path / "saved"), "--train_files", ""]
+    elif case == "bad_packing":
+        extra = ["--packing", "docs"]
     args = ["train", "--output_dir", str(out), "--train_files", files, "--tokenizer_name", str(trained), *BASE,
             "--max_steps", "2", *extra]
     if case != "unknown_key" and case != "too_long":
@@ -278,6 +281,37 @@ def test_bad_inputs_fail_clearly_and_keep_earlier_outputs(case, message, trained
     assert lex(args) == 2
     assert message in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == ["earlier.txt"]
+
+
+def test_packing_documents_keeps_documents_apart(trained, corpus, tmp_path):
+    """--packing documents: position_ids restart at each document inside a block and a document's first token
+    is not a label; a block's loss is then that of its document pieces each computed alone."""
+    from datasets import Dataset
+
+    from configuration_lex import LexConfig
+    from lex.data import pack
+    from modeling_lex import LexForCausalLM
+
+    documents = Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10, 11, 12]]})
+    blocks = pack(documents, 4, packing="documents")
+    assert blocks["input_ids"] == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
+    assert blocks["position_ids"] == [[0, 1, 2, 0], [1, 0, 1, 2], [3, 0, 1, 2]]
+    assert blocks["labels"] == [[-100, 2, 3, -100], [5, -100, 7, 8], [9, -100, 11, 12]]
+
+    torch.manual_seed(0)
+    model = LexForCausalLM(LexConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=2, max_position_embeddings=4)).eval()
+    block = {key: torch.tensor(blocks[key][1:2]) for key in blocks.column_names}
+    with torch.no_grad():
+        packed_loss = model(**block).loss
+        alone = model(torch.tensor([[6, 7, 8]]), labels=torch.tensor([[6, 7, 8]])).loss  # "5" predicts nothing
+    torch.testing.assert_close(packed_loss, alone)
+
+    out = tmp_path / "packed"
+    assert lex(["train", "--output_dir", str(out), "--train_files", f"{corpus}/*.txt", "--config_overrides", TINY,
+                "--tokenizer_name", str(trained), "--max_steps", "3", "--save_strategy", "no", "--packing",
+                "documents", *BASE]) == 0
+    assert (out / "model.safetensors").is_file()
 
 
 def test_embedded_corpus_is_the_bible_split_by_book():
