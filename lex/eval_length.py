@@ -15,7 +15,6 @@ import argparse
 import csv
 import json
 import math
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
