@@ -1,4 +1,4 @@
-"""Perplexity of one long document: tokens/s and peak RSS of `lex.eval_length.perplexity_by_length` by length.
+"""Perplexity of one long document: tokens/s and peak RSS of `lex.perplexity.perplexity_by_length` by length.
 
 A random LEX model (default 4 layers, hidden 256, l = w = 1024, vocab 32,000, blockwise) reads the first N
 tokens of one long document, the whole embedded KJV concatenated, its UTF-8 bytes taken as token ids (0-255,
@@ -24,6 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from configuration_lex import ATTENTION_MODES  # noqa: E402
+
 
 def peak_rss_mb() -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -44,7 +46,7 @@ def document(tokens: int) -> torch.Tensor:
 def one(args) -> dict:
     """Evaluate one length in this process."""
     from configuration_lex import LexConfig
-    from lex.eval_length import perplexity_by_length
+    from lex.perplexity import perplexity_by_length
     from modeling_lex import LexForCausalLM
 
     torch.set_num_threads(args.threads)
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--window", type=int, default=1024, help="l = w")
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--mode", default="blockwise", choices=["full", "blockwise", "sliding"])
+    parser.add_argument("--mode", default="blockwise", choices=ATTENTION_MODES)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run (the CPU is shared)")
     parser.add_argument("--progress", action="store_true", help="the evaluation's progress bar, in tokens")
     parser.add_argument("--output", type=Path)

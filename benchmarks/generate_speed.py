@@ -22,6 +22,8 @@ from transformers.generation.streamers import BaseStreamer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from configuration_lex import ATTENTION_MODES  # noqa: E402
+
 
 def peak_rss_mb() -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -105,7 +107,7 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--window", type=int, default=256, help="LEX attention_window (= its training length)")
-    parser.add_argument("--mode", default="blockwise", choices=["blockwise", "sliding", "full"])
+    parser.add_argument("--mode", default="blockwise", choices=ATTENTION_MODES)
     parser.add_argument("--new", type=int, default=128, help="tokens generated; all but the first are timed")
     parser.add_argument("--contexts", default="1000,10000,100000")
     parser.add_argument("--llama-contexts", default="1000,10000")

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import modeling_lex  # noqa: E402,F401
-from configuration_lex import LexConfig  # noqa: E402
+from configuration_lex import ATTENTION_MODES, LexConfig  # noqa: E402
 from modeling_lex import LexForCausalLM  # noqa: E402
 
 
@@ -35,7 +35,7 @@ def numerics(report: dict) -> None:
     ids = torch.randint(0, 32000, (2, 3000))
     mask = torch.ones_like(ids)
     mask[1, :77] = 0
-    for mode in ("blockwise", "sliding", "full"):
+    for mode in ATTENTION_MODES:
         model = lex(256, 2, 4, 256, attention_mode=mode).eval()
         with torch.no_grad():
             cpu = model(ids, attention_mask=mask).logits

@@ -1,9 +1,15 @@
-"""LexConfig, registered with AutoConfig under model_type "lex"."""
+"""LexConfig, registered with AutoConfig under model_type "lex", and the allowed values of its choice fields."""
 
 from transformers import AutoConfig
 
-from .configuration_lex import LexConfig
+from .configuration_lex import (
+    ABSOLUTE_POSITION_EMBEDDINGS,
+    ATTENTION_MODES,
+    HIDDEN_ACTS,
+    POSITION_EMBEDDING_TYPES,
+    LexConfig,
+)
 
 AutoConfig.register("lex", LexConfig, exist_ok=True)
 
-__all__ = ["LexConfig"]
+__all__ = ["ABSOLUTE_POSITION_EMBEDDINGS", "ATTENTION_MODES", "HIDDEN_ACTS", "POSITION_EMBEDDING_TYPES", "LexConfig"]

@@ -3,16 +3,41 @@
 The architecture switches (pre/post norm, subln, deepnorm, embedding layer norm and scale, activation,
 biases, an optional fairseq sinusoidal absolute embedding) are here so that every dense TorchScale
 `Decoder` language model maps onto a LexConfig without loss.
+
+Validation is transformers v5's (`@strict` from huggingface_hub, as in LlamaConfig): every field is checked on
+construction and on every later assignment against its type (the `Literal` types below list the allowed choices)
+and its range validator; the cross-field rules live in `validate_architecture`, which `@strict` runs after
+construction and `save_pretrained` runs again before writing. Errors are
+`huggingface_hub.errors.StrictDataclassFieldValidationError` (a bad field: the message names it) and
+`StrictDataclassClassValidationError` (a cross-field rule), both `StrictDataclassError`; neither is a ValueError.
+
+The Literal types are the one source of the allowed values: POSITION_EMBEDDING_TYPES, ATTENTION_MODES,
+HIDDEN_ACTS and ABSOLUTE_POSITION_EMBEDDINGS are derived from them; CLI choices and converters import those.
 """
 
+from typing import Literal, get_args
+
+from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
+from transformers.utils.type_validators import interval
 
-POSITION_EMBEDDING_TYPES = ("xpos", "rope", "decay", "alibi", "kerple", "sandwich", "sinusoidal", "none")
-ATTENTION_MODES = ("blockwise", "sliding", "full")
-HIDDEN_ACTS = ("gelu", "relu", "swish")
-ABSOLUTE_POSITION_EMBEDDINGS = (None, "sinusoidal")
+PositionEmbeddingType = Literal["xpos", "rope", "decay", "alibi", "kerple", "sandwich", "sinusoidal", "none"]
+AttentionMode = Literal["blockwise", "sliding", "full"]
+HiddenAct = Literal["gelu", "relu", "swish"]
+AbsolutePositionEmbedding = Literal[None, "sinusoidal"]
+
+POSITION_EMBEDDING_TYPES: tuple[str, ...] = get_args(PositionEmbeddingType)
+ATTENTION_MODES: tuple[str, ...] = get_args(AttentionMode)
+HIDDEN_ACTS: tuple[str, ...] = get_args(HiddenAct)
+ABSOLUTE_POSITION_EMBEDDINGS: tuple[str | None, ...] = get_args(AbsolutePositionEmbedding)
+
+# Field validators (the type is checked first, so these see numbers only; bools are refused as numbers).
+positive = interval(min=0, exclude_min=True)
+non_negative = interval(min=0)
+dropout = interval(min=0.0, max=1.0, exclude_max=True)
 
 
+@strict
 class LexConfig(PreTrainedConfig):
     r"""
     Configuration of a LEX Transformer decoder.
@@ -39,39 +64,41 @@ class LexConfig(PreTrainedConfig):
         absolute_position_embedding: None, or "sinusoidal" for fairseq's sinusoidal table added to the
             token embeddings (fairseq-trained TorchScale LMs); positions start at
             `absolute_position_offset` (fairseq: padding_idx + 1).
+
+    Float fields accept ints too (`xpos_scale_base=512`); they are stored as given.
     """
 
     model_type = "lex"
     keys_to_ignore_at_inference = ["past_key_values"]
 
-    vocab_size: int = 32000
-    hidden_size: int = 768
-    intermediate_size: int = 3072
-    num_hidden_layers: int = 12
-    num_attention_heads: int = 12
-    hidden_act: str = "gelu"
-    max_position_embeddings: int = 1024
-    position_embedding_type: str = "xpos"
-    attention_mode: str = "blockwise"
-    attention_window: int | None = None
-    xpos_scale_base: float = 512.0
-    xpos_gamma: float = 0.4
-    rope_theta: float = 10000.0
-    sandwich_dim: int = 128
-    layer_norm_eps: float = 1e-5
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
-    activation_dropout: float = 0.0
-    initializer_range: float = 0.02
+    vocab_size: int = positive(default=32000)
+    hidden_size: int = positive(default=768)
+    intermediate_size: int = positive(default=3072)
+    num_hidden_layers: int = positive(default=12)
+    num_attention_heads: int = positive(default=12)
+    hidden_act: HiddenAct = "gelu"
+    max_position_embeddings: int = positive(default=1024)
+    position_embedding_type: PositionEmbeddingType = "xpos"
+    attention_mode: AttentionMode = "blockwise"
+    attention_window: int | None = None  # even and >= 4 once defaulted: validate_architecture
+    xpos_scale_base: float | int = positive(default=512.0)
+    xpos_gamma: float | int = non_negative(default=0.4)
+    rope_theta: float | int = positive(default=10000.0)
+    sandwich_dim: int = positive(default=128)
+    layer_norm_eps: float | int = positive(default=1e-5)
+    hidden_dropout: float | int = dropout(default=0.0)
+    attention_dropout: float | int = dropout(default=0.0)
+    activation_dropout: float | int = dropout(default=0.0)
+    initializer_range: float | int = non_negative(default=0.02)
     normalize_before: bool = True
     subln: bool = False
     deepnorm: bool = False
     layernorm_embedding: bool = False
-    embedding_scale: float = 1.0
+    embedding_scale: float | int = positive(default=1.0)
     attention_bias: bool = True
     mlp_bias: bool = True
-    absolute_position_embedding: str | None = None
-    absolute_position_offset: int = 2
+    absolute_position_embedding: AbsolutePositionEmbedding = None
+    absolute_position_offset: int = non_negative(default=2)
     use_cache: bool = True
     tie_word_embeddings: bool = True
     pad_token_id: int | None = None
@@ -81,7 +108,6 @@ class LexConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs):
         if self.attention_window is None:
             self.attention_window = self.max_position_embeddings
-        self._validate()
         super().__post_init__(**kwargs)
 
     @property
@@ -89,27 +115,14 @@ class LexConfig(PreTrainedConfig):
         return self.hidden_size // self.num_attention_heads
 
     @property
-    def block_size(self) -> int:
-        """BCA block length b = w / 2."""
+    def bca_block_length(self) -> int:
+        """b = w / 2: blockwise causal attention cuts the stream into blocks of b tokens (a query sees its own
+        block and the previous one)."""
         return self.attention_window // 2
 
-    def _validate(self) -> None:
-        def allowed(field: str, value, choices) -> None:
-            if value not in choices:
-                raise ValueError(f"LexConfig.{field}={value!r} is not one of {list(choices)}")
-
-        def positive(field: str, value) -> None:
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"LexConfig.{field}={value!r} must be a positive number")
-
-        allowed("position_embedding_type", self.position_embedding_type, POSITION_EMBEDDING_TYPES)
-        allowed("attention_mode", self.attention_mode, ATTENTION_MODES)
-        allowed("hidden_act", self.hidden_act, HIDDEN_ACTS)
-        allowed("absolute_position_embedding", self.absolute_position_embedding, ABSOLUTE_POSITION_EMBEDDINGS)
-        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                      "num_attention_heads", "max_position_embeddings", "xpos_scale_base", "rope_theta", "sandwich_dim",
-                      "layer_norm_eps", "embedding_scale"):
-            positive(field, getattr(self, field))
+    def validate_architecture(self):
+        """Part of `@strict`-powered validation: the rules that tie several fields together."""
+        super().validate_architecture()
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"LexConfig.hidden_size={self.hidden_size} must be divisible by "
@@ -121,18 +134,17 @@ class LexConfig(PreTrainedConfig):
                 "rotary encodings rotate pairs of dimensions"
             )
         window = self.attention_window
-        if not isinstance(window, int) or isinstance(window, bool) or window < 4 or window % 2:
+        if window is None or window < 4 or window % 2:
             raise ValueError(f"LexConfig.attention_window={window!r} must be an even integer >= 4")
-        if not 0.0 <= self.xpos_gamma:
-            raise ValueError(f"LexConfig.xpos_gamma={self.xpos_gamma!r} must be >= 0")
-        for field in ("hidden_dropout", "attention_dropout", "activation_dropout"):
-            value = getattr(self, field)
-            if not 0.0 <= value < 1.0:
-                raise ValueError(f"LexConfig.{field}={value!r} must lie in [0, 1)")
-        if self.absolute_position_offset < 0:
-            raise ValueError(
-                f"LexConfig.absolute_position_offset={self.absolute_position_offset!r} must be >= 0"
-            )
 
 
-__all__ = ["LexConfig"]
+__all__ = [
+    "ABSOLUTE_POSITION_EMBEDDINGS",
+    "ATTENTION_MODES",
+    "HIDDEN_ACTS",
+    "POSITION_EMBEDDING_TYPES",
+    "AttentionMode",
+    "HiddenAct",
+    "LexConfig",
+    "PositionEmbeddingType",
+]

@@ -1,13 +1,8 @@
-"""Reading checkpoints without running their pickles, and writing outputs that appear only when complete."""
+"""Reading checkpoints without running their pickles, and fairseq's omegaconf references."""
 
-import os
 import pickle
 import re
-import shutil
-import uuid
 from argparse import Namespace
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -83,54 +78,3 @@ def resolve_interpolations(section: dict, root: dict) -> dict:
         return lookup(match.group(1), seen) if match else value
 
     return {key: resolve(value) for key, value in section.items()}
-
-
-def make_staging(target: Path) -> Path:
-    """A new hidden folder beside `target` (same file system, so the final rename is atomic; mode from umask)."""
-    staging = target.with_name(f".{target.name}.partial-{uuid.uuid4().hex[:12]}")
-    staging.mkdir()
-    return staging
-
-
-@contextmanager
-def atomic_directory(out_dir: Path, force: bool) -> Iterator[Path]:
-    """Yield an empty staging folder beside `out_dir`; it becomes `out_dir` only if the block completes.
-
-    An existing `out_dir` is replaced only with `force`, and only after the new one is complete.
-    """
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not force:
-        raise ConversionError(f"{out_dir} exists; pass --force to replace it")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = make_staging(out_dir)
-    try:
-        yield staging
-        if out_dir.exists():
-            old = staging.with_name(staging.name + "-old")
-            out_dir.rename(old)
-            staging.rename(out_dir)
-            if old.is_dir():
-                shutil.rmtree(old)
-            else:
-                old.unlink()
-        else:
-            staging.rename(out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-@contextmanager
-def atomic_files(targets: list[Path], force: bool) -> Iterator[Path]:
-    """Yield a staging folder; files written there under the targets' names replace the targets on success."""
-    targets = [Path(t) for t in targets]
-    existing = [str(t) for t in targets if t.exists()]
-    if existing and not force:
-        raise ConversionError(f"refusing to overwrite {', '.join(existing)}; pass --force to replace")
-    targets[0].parent.mkdir(parents=True, exist_ok=True)
-    staging = make_staging(targets[0])
-    try:
-        yield staging
-        for target in targets:
-            os.replace(staging / target.name, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)

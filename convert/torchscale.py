@@ -17,7 +17,6 @@ models with fairseq's sinusoidal positions (--format fairseq), a fairseq-style c
 `lex convert-torchscale` reads back without --config.
 """
 
-import argparse
 import json
 import math
 import re
@@ -27,9 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from .checkpoint import ConversionError, Unresolved, atomic_directory, atomic_files, load_checkpoint
-from .checkpoint import resolve_interpolations
+from configuration_lex import HIDDEN_ACTS, LexConfig
+from modeling_lex import LexForCausalLM
+
+from .checkpoint import ConversionError, Unresolved, load_checkpoint, resolve_interpolations
+from .staging import atomic_directory, atomic_files
 
 # TorchScale 0.3.0 `DecoderConfig` fields and defaults (torchscale/architecture/config.py).
 DECODER_DEFAULTS = {
@@ -52,7 +56,6 @@ FAIRSEQ_DEFAULTS = {
     "no_token_positional_embeddings": False, "decoder_learned_pos": False, "tokens_per_sample": None,
 }
 FAIRSEQ_PADDING_IDX = 1  # fairseq Dictionary: <s>=0, <pad>=1, </s>=2
-ACTIVATIONS = ("gelu", "relu", "swish")
 XPOS_GAMMA = 0.4  # TorchScale's fixed xPos gamma
 
 # option -> (is it in use?, what LexConfig cannot express)
@@ -213,8 +216,6 @@ def training_length(options: dict, fairseq: bool) -> int:
 
 def lex_config(source: Source, attention_mode: str | None = None, special_ids: dict | None = None):
     """The LexConfig of the model `source` describes, or a ConversionError naming the option at fault."""
-    from configuration_lex import LexConfig
-
     options, state = source.options, source.state
     unresolved = [f"{key}={value}" for key, value in options.items()
                   if isinstance(value, Unresolved) and (key in DECODER_DEFAULTS or key in FAIRSEQ_DEFAULTS)]
@@ -227,8 +228,8 @@ def lex_config(source: Source, attention_mode: str | None = None, special_ids: d
     if "embed_positions.weight" in state:
         raise ConversionError(f"option decoder_learned_pos (learned absolute positions: key {source.prefix}"
                               "embed_positions.weight) has no LexConfig equivalent; refusing to convert")
-    if options["activation_fn"] not in ACTIVATIONS:
-        raise ConversionError(f"option activation_fn={options['activation_fn']!r} is not one of {list(ACTIVATIONS)} "
+    if options["activation_fn"] not in HIDDEN_ACTS:
+        raise ConversionError(f"option activation_fn={options['activation_fn']!r} is not one of {list(HIDDEN_ACTS)} "
                               "(TorchScale's FeedForwardNetwork supports only these)")
 
     absolute = None
@@ -249,8 +250,8 @@ def lex_config(source: Source, attention_mode: str | None = None, special_ids: d
         raise ConversionError(f"option vocab_size={options['vocab_size']} but {source.prefix}embed_tokens.weight "
                               f"has {vocab} rows")
     length = training_length(options, source.fairseq)
-    block = options.get("block_size")
-    window = block if isinstance(block, int) and block > 0 else length + length % 2
+    fork_window = options.get("block_size")  # the LEX fork's BCA window w (not a block length)
+    window = fork_window if isinstance(fork_window, int) and fork_window > 0 else length + length % 2
     shared = bool(options["share_decoder_input_output_embed"])
     hidden = int(options["decoder_embed_dim"])
     fields = dict(
@@ -271,7 +272,7 @@ def lex_config(source: Source, attention_mode: str | None = None, special_ids: d
     )
     try:
         return LexConfig(**fields)
-    except ValueError as error:
+    except (ValueError, StrictDataclassError) as error:  # @strict's field and class validation errors
         named = [f"{SOURCE_OPTIONS[name]}={options.get(SOURCE_OPTIONS[name])!r}" for name in SOURCE_OPTIONS
                  if re.search(rf"\b{name}\b", str(error))]
         raise ConversionError(f"the {source.kind}'s options ({', '.join(named) or 'see below'}) do not fit "
@@ -327,8 +328,6 @@ def load_tokenizer(folder: Path | None):
         return None
     if not Path(folder).is_dir():
         raise ConversionError(f"--tokenizer {folder}: not a folder (a local tokenizer folder is needed)")
-    from transformers import AutoTokenizer
-
     try:
         return AutoTokenizer.from_pretrained(str(folder))
     except (OSError, ValueError) as error:
@@ -339,30 +338,29 @@ def convert_from_torchscale(
     checkpoint: Path, out_dir: Path, config_path: Path | None = None, tokenizer: Path | None = None,
     dtype: str | None = None, attention_mode: str | None = None, force: bool = False,
 ):
-    """Write OUT_DIR (config.json, model.safetensors, the tokenizer if given); returns the LexConfig."""
-    from modeling_lex import LexForCausalLM
+    """Write OUT_DIR (config.json, model.safetensors, the tokenizer if given); returns the LexConfig.
 
-    if Path(out_dir).exists() and not force:
-        raise ConversionError(f"{out_dir} exists; pass --force to replace it")
-    source = read_source(Path(checkpoint), config_path)
-    tok = load_tokenizer(tokenizer)
-    if source.fairseq:
-        special_ids = dict(bos_token_id=0, pad_token_id=FAIRSEQ_PADDING_IDX, eos_token_id=2)
-    elif tok is not None:
-        special_ids = dict(bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    else:
-        special_ids = {}
-    config = lex_config(source, attention_mode, special_ids)
-    if tok is not None and len(tok) > config.vocab_size:
-        raise ConversionError(f"--tokenizer {tokenizer} has {len(tok)} tokens but the model's vocabulary has "
-                              f"{config.vocab_size}")
-    mapped, unexpected = to_lex_state(source, config)
-    model = LexForCausalLM(config)
-    check_state(model, mapped, unexpected, source)
-    model.load_state_dict(mapped, strict=False)
-    target = getattr(torch, dtype) if dtype else mapped["model.embed_tokens.weight"].dtype
-    model.to(target)
-    with atomic_directory(Path(out_dir), force) as staging:
+    An existing OUT_DIR is refused unless `force`, and replaced only once the new folder is complete.
+    """
+    with atomic_directory(out_dir, force) as staging:
+        source = read_source(Path(checkpoint), config_path)
+        tok = load_tokenizer(tokenizer)
+        if source.fairseq:
+            special_ids = dict(bos_token_id=0, pad_token_id=FAIRSEQ_PADDING_IDX, eos_token_id=2)
+        elif tok is not None:
+            special_ids = dict(bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id,
+                               eos_token_id=tok.eos_token_id)
+        else:
+            special_ids = {}
+        config = lex_config(source, attention_mode, special_ids)
+        if tok is not None and len(tok) > config.vocab_size:
+            raise ConversionError(f"--tokenizer {tokenizer} has {len(tok)} tokens but the model's vocabulary has "
+                                  f"{config.vocab_size}")
+        mapped, unexpected = to_lex_state(source, config)
+        model = LexForCausalLM(config)
+        check_state(model, mapped, unexpected, source)
+        model.load_state_dict(mapped, strict=False)
+        model.to(getattr(torch, dtype) if dtype else mapped["model.embed_tokens.weight"].dtype)
         model.save_pretrained(staging)
         if tok is not None:
             tok.save_pretrained(staging)
@@ -428,9 +426,6 @@ def torchscale_state(model) -> dict:
 
 def convert_to_torchscale(hf_dir: Path, out_path: Path, fmt: str = "auto", force: bool = False) -> list[Path]:
     """Write OUT.pt (+ OUT.json for a Decoder state dict); returns the paths written."""
-    import modeling_lex  # noqa: F401  (registers the Auto classes)
-    from transformers import AutoModelForCausalLM
-
     if not Path(hf_dir).is_dir():
         raise ConversionError(f"{hf_dir}: not a model folder")
     out_path = Path(out_path)
@@ -439,7 +434,7 @@ def convert_to_torchscale(hf_dir: Path, out_path: Path, fmt: str = "auto", force
         raise ConversionError(f"{out_path}: name the checkpoint OUT.pt; its config goes to OUT.json")
     try:
         model = AutoModelForCausalLM.from_pretrained(str(hf_dir))
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, StrictDataclassError) as error:
         raise ConversionError(f"{hf_dir}: cannot load a model from it: {error}") from None
     config = model.config
     if getattr(config, "model_type", None) != "lex":
@@ -466,7 +461,7 @@ def convert_to_torchscale(hf_dir: Path, out_path: Path, fmt: str = "auto", force
         if config.absolute_position_embedding:
             state["decoder.embed_positions._float_tensor"] = torch.zeros(1)
         targets = [out_path]
-    with atomic_files(targets, force) as staging:
+    with atomic_files(out_path.parent, tuple(target.name for target in targets), force) as staging:
         if fmt == "decoder":
             torch.save(state, staging / out_path.name)
             (staging / config_path.name).write_text(json.dumps(options, indent=2) + "\n")
@@ -477,49 +472,3 @@ def convert_to_torchscale(hf_dir: Path, out_path: Path, fmt: str = "auto", force
         print(f"note: TorchScale has no attention_mode={config.attention_mode!r}; pass --attention-mode "
               f"{config.attention_mode} when converting back", file=sys.stderr)
     return targets
-
-
-# ---------------------------------------------------------------- command line
-
-
-def main_from_torchscale(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lex convert-torchscale", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", type=Path, help="a Decoder state dict (.pt) or a fairseq checkpoint")
-    parser.add_argument("out_dir", type=Path, help="the HF folder to write")
-    parser.add_argument("--config", type=Path, help="JSON of the DecoderConfig keyword arguments (plain state dicts)")
-    parser.add_argument("--tokenizer", type=Path, help="a local tokenizer folder to save with the model")
-    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
-                        help="weights dtype (default: the checkpoint's)")
-    parser.add_argument("--attention-mode", choices=["blockwise", "sliding", "full"],
-                        help="default blockwise (LEX's BCA; the same as TorchScale up to the window)")
-    parser.add_argument("--force", action="store_true", help="replace an existing OUT_DIR")
-    args = parser.parse_args(argv)
-    try:
-        config = convert_from_torchscale(args.checkpoint, args.out_dir, args.config, args.tokenizer, args.dtype,
-                                         args.attention_mode, args.force)
-    except (ConversionError, OSError) as error:
-        print(f"lex convert-torchscale: {error}", file=sys.stderr)
-        return 2
-    positions = config.position_embedding_type + (" + sinusoidal" if config.absolute_position_embedding else "")
-    print(f"{args.checkpoint} -> {args.out_dir}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-          f"positions {positions}, {config.attention_mode} attention (window {config.attention_window})")
-    return 0
-
-
-def main_to_torchscale(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lex convert-to-torchscale", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("hf_dir", type=Path, help="a LEX model folder")
-    parser.add_argument("out", type=Path, help="OUT.pt (a Decoder state dict also gets OUT.json, its config)")
-    parser.add_argument("--format", choices=["auto", "decoder", "fairseq"], default="auto",
-                        help="auto: fairseq if the model has fairseq's sinusoidal positions, else decoder")
-    parser.add_argument("--force", action="store_true", help="replace existing outputs")
-    args = parser.parse_args(argv)
-    try:
-        written = convert_to_torchscale(args.hf_dir, args.out, args.format, args.force)
-    except (ConversionError, OSError) as error:
-        print(f"lex convert-to-torchscale: {error}", file=sys.stderr)
-        return 2
-    print(f"{args.hf_dir} -> {' + '.join(map(str, written))}")
-    return 0

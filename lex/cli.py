@@ -1,16 +1,16 @@
-"""`lex COMMAND ...`: one entry point; each command lives in its own module and is imported on demand."""
+"""`lex COMMAND ...`: one entry point; each command's main lives in lex/commands/ and is imported on demand."""
 
 import importlib
 import sys
 
 COMMANDS = {
-    "demo": ("lex.study", "main", "train xpos/rope/alibi at a short length and compare them far beyond it"),
-    "train": ("lex.train", "main", "train or fine-tune with the HF Trainer (run_clm-style arguments)"),
-    "eval-length": ("lex.eval_length", "main", "perplexity by evaluation length, resolution, passkey"),
-    "generate": ("lex.generate", "main", "generate from a long prompt with the bounded cache"),
-    "convert-torchscale": ("convert.torchscale", "main_from_torchscale", "TorchScale checkpoint -> HF folder"),
-    "convert-to-torchscale": ("convert.torchscale", "main_to_torchscale", "HF folder -> TorchScale state dict"),
-    "export": ("lex.export", "main", "a Hub-ready folder loadable with trust_remote_code"),
+    "demo": ("lex.commands.demo", "main", "train xpos/rope/alibi at a short length and compare them far beyond it"),
+    "train": ("lex.commands.train", "main", "train or fine-tune with the HF Trainer (run_clm-style arguments)"),
+    "eval-length": ("lex.commands.eval_length", "main", "perplexity by evaluation length, resolution, passkey"),
+    "generate": ("lex.commands.generate", "main", "generate from a long prompt with the bounded cache"),
+    "convert-torchscale": ("lex.commands.convert", "main_from_torchscale", "TorchScale checkpoint -> HF folder"),
+    "convert-to-torchscale": ("lex.commands.convert", "main_to_torchscale", "HF folder -> TorchScale state dict"),
+    "export": ("lex.commands.export", "main", "a Hub-ready folder loadable with trust_remote_code"),
 }
 
 

@@ -9,6 +9,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import torch
 from datasets import Dataset, DatasetDict, concatenate_datasets, load_dataset, load_from_disk
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
@@ -154,6 +155,13 @@ def load_documents(
     return split_documents(documents, validation_fraction, seed)
 
 
+def evaluation_texts(patterns: str | None) -> list[str]:
+    """Evaluation documents: the files matching the globs (one document per file), or the held-out KJV books."""
+    if patterns:
+        return [Path(f).read_text(encoding="utf-8") for f in expand_globs(patterns, "--files")]
+    return list(load_documents()["validation"]["text"])
+
+
 def train_tokenizer(texts, vocab_size: int) -> PreTrainedTokenizerFast:
     """A byte-level BPE (GPT-2 style) trained on `texts` with HF tokenizers; <|endoftext|> ends documents."""
     backend = Tokenizer(models.BPE())
@@ -181,6 +189,11 @@ def tokenize_documents(documents: Dataset, tokenizer, num_proc: int | None = Non
 
     return documents.map(encode, batched=True, remove_columns=documents.column_names, num_proc=num_proc,
                          desc="tokenize")
+
+
+def tokenized_documents(tokenizer, texts: list[str]) -> list[torch.Tensor]:
+    """Token ids of each text as a tensor, without special tokens: documents to evaluate."""
+    return [torch.tensor(tokenizer(t, add_special_tokens=False).input_ids) for t in texts]
 
 
 PACKINGS = ("concatenate", "documents")

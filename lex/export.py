@@ -1,4 +1,4 @@
-"""`lex export MODEL_DIR OUT_DIR [--push-to-hub REPO_ID [--private] [--dry-run]]`: a Hub-ready folder.
+"""A Hub-ready folder of a LEX model, and its upload (`lex export MODEL_DIR OUT_DIR [--push-to-hub REPO_ID]`).
 
 The folder holds config.json (with `auto_map`), model.safetensors (sharded above --max-shard-size),
 generation_config.json, the tokenizer when the model has one, a model card (README.md) and the model code as
@@ -14,15 +14,20 @@ one commit (files in the repository that the folder lacks are deleted; --dry-run
 From Python: `export(model_or_dir, out_dir)` then `push_to_hub(out_dir, repo_id)`.
 """
 
-import argparse
 import ast
 import importlib.util
 import json
 import re
-import shutil
-import sys
-import tempfile
 from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedModel
+from transformers.utils.hub import convert_file_size_to_int
+
+from convert.staging import atomic_directory
+from modeling_lex import LexForCausalLM
+
+from .models import has_tokenizer
+from .report import length_table, markdown_table
 
 AUTO_MAP = {
     "AutoConfig": "configuration_lex.LexConfig",
@@ -41,7 +46,6 @@ FLAT_MODULES = {
 PROJECT_PACKAGES = ("configuration_lex", "modeling_lex", "lex", "convert")
 CARD_TAGS = ("lex", "xpos", "length-extrapolation", "custom_code")
 LICENSE_ID = re.compile(r"^[a-z0-9][a-z0-9.+-]*$")
-TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 
 
 class ExportError(ValueError):
@@ -107,22 +111,6 @@ def load_results(path: Path) -> list[dict]:
     return records
 
 
-def results_table(records: list[dict]) -> str:
-    """Markdown table: one row per (model, attention mode, protocol) present, one column per length."""
-    labels = {"model": "model", "attention_mode": "attention", "protocol": "protocol"}
-    keys = [k for k in labels if any(k in r for r in records)]
-    lengths = sorted({r["length"] for r in records})
-    groups: dict[tuple, dict[int, float]] = {}
-    for record in records:
-        groups.setdefault(tuple(str(record.get(k, "")) for k in keys), {})[record["length"]] = record["ppl"]
-    header = [labels[k] for k in keys] + [str(n) for n in lengths]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for group, values in groups.items():
-        cells = list(group) + [f"{values[n]:.2f}" if n in values else "-" for n in lengths]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 def model_card(config, parameters: int, repo_name: str, license_name: str, has_tokenizer: bool,
                results: str | None) -> str:
     """README.md: Hub metadata in YAML front matter, what the model is, how to load it, its perplexity table."""
@@ -160,15 +148,15 @@ def model_card(config, parameters: int, repo_name: str, license_name: str, has_t
         'A LEX Transformer ("A Length-Extrapolatable Transformer", Sun et al. 2022): a decoder-only language '
         f"model with {config.position_embedding_type} positions and {mode} attention.",
         "",
-        "| | |",
-        "|---|---|",
-        f"| training length | {length} tokens |",
-        f"| attention mode | {mode} |",
-        f"| attention window | {window} tokens |",
-        f"| position embedding | {config.position_embedding_type} |",
-        f"| parameters | {parameters:,} |",
-        f"| layers / hidden / heads | {config.num_hidden_layers} / {config.hidden_size} / "
-        f"{config.num_attention_heads} |",
+        markdown_table(["", ""], [
+            ["training length", f"{length} tokens"],
+            ["attention mode", mode],
+            ["attention window", f"{window} tokens"],
+            ["position embedding", config.position_embedding_type],
+            ["parameters", f"{parameters:,}"],
+            ["layers / hidden / heads",
+             f"{config.num_hidden_layers} / {config.hidden_size} / {config.num_attention_heads}"],
+        ]),
         "",
         f"Attention: {attention}. {long_inputs}",
         "",
@@ -199,11 +187,6 @@ def export(model, out_dir: str | Path, *, tokenizer=None, results: str | Path | 
     The tokenizer and the results file default to those in the model folder (tokenizer files, results.json).
     `repo_name` is the name the card's loading snippet uses (default: the folder's name).
     """
-    from transformers import AutoTokenizer, PreTrainedModel
-    from transformers.utils.hub import convert_file_size_to_int
-
-    import modeling_lex
-
     out_dir = Path(out_dir).resolve()
     if not LICENSE_ID.match(license_name):
         raise ExportError(f"--license {license_name!r}: use a Hub license id such as mit, apache-2.0 or other")
@@ -211,8 +194,6 @@ def export(model, out_dir: str | Path, *, tokenizer=None, results: str | Path | 
         convert_file_size_to_int(max_shard_size)
     except ValueError as error:
         raise ExportError(f"--max-shard-size {max_shard_size!r}: use bytes or a size such as 500MB or 5GB") from error
-    if out_dir.exists() and not force:
-        raise ExportError(f"{out_dir} exists; pass --force to replace it")
     model_dir = None
     if not isinstance(model, PreTrainedModel):
         model_dir = Path(model).resolve()
@@ -221,37 +202,31 @@ def export(model, out_dir: str | Path, *, tokenizer=None, results: str | Path | 
         model_type = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("model_type")
         if model_type != "lex":
             raise ExportError(f"{model_dir} holds a {model_type!r} model; lex export writes LEX models only")
-        model = modeling_lex.LexForCausalLM.from_pretrained(model_dir)
-        if tokenizer is None and any((model_dir / name).is_file() for name in TOKENIZER_FILES):
+        model = LexForCausalLM.from_pretrained(model_dir)
+        if tokenizer is None and has_tokenizer(model_dir):
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
         if results is None and (model_dir / "results.json").is_file():
             results = model_dir / "results.json"
     elif model.config.model_type != "lex":
         raise ExportError(f"the model is a {model.config.model_type!r} model; lex export writes LEX models only")
-    table = results_table(load_results(Path(results))) if results is not None else None
+    table = length_table(load_results(Path(results))) if results is not None else None
     sources = {f"{flat}.py": flat_source(module) for module, flat in FLAT_MODULES.items()}
     parameters = sum(p.numel() for p in model.parameters())
     card = model_card(model.config, parameters, repo_name or out_dir.name, license_name, tokenizer is not None,
                       table)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     previous_auto_map = getattr(model.config, "auto_map", None)
+    model.config.auto_map = dict(AUTO_MAP)
     try:
-        model.config.auto_map = dict(AUTO_MAP)
-        model.save_pretrained(staging, max_shard_size=max_shard_size)
-        for name, text in sources.items():
-            (staging / name).write_text(text, encoding="utf-8")
-        if tokenizer is not None:
-            tokenizer.save_pretrained(staging)
-        (staging / "README.md").write_text(card, encoding="utf-8")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        staging.rename(out_dir)
+        with atomic_directory(out_dir, force) as staging:
+            model.save_pretrained(staging, max_shard_size=max_shard_size)
+            for name, text in sources.items():
+                (staging / name).write_text(text, encoding="utf-8")
+            if tokenizer is not None:
+                tokenizer.save_pretrained(staging)
+            (staging / "README.md").write_text(card, encoding="utf-8")
     finally:
         model.config.auto_map = previous_auto_map
-        if staging.exists():
-            shutil.rmtree(staging)
     return out_dir
 
 
@@ -290,32 +265,3 @@ def push_to_hub(folder: str | Path, repo_id: str, *, private: bool = False, dry_
     operations += [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(folder / name)) for name in files]
     info = api.create_commit(repo_id, operations, commit_message=message, repo_type="model")
     return f"pushed {len(files)} files to {repo_id} (deleted {len(stale)} stale): {info.commit_url}"
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lex export", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model_dir", type=Path, help="a LEX model folder (save_pretrained, lex train, lex demo)")
-    parser.add_argument("out_dir", type=Path, help="the folder to write; refused if it exists, unless --force")
-    parser.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the folder to this Hub model repository")
-    parser.add_argument("--private", action="store_true",
-                        help="create the Hub repository as private (an existing one keeps its visibility)")
-    parser.add_argument("--dry-run", action="store_true", help="print what --push-to-hub would commit; no network")
-    parser.add_argument("--results", type=Path,
-                        help="results.json of `lex eval-length` for the card's table (default: MODEL_DIR's own)")
-    parser.add_argument("--license", default="mit", help="Hub license id for the card (default: mit)")
-    parser.add_argument("--max-shard-size", default="2GB", help="shard model.safetensors above this (default 2GB)")
-    parser.add_argument("--force", action="store_true", help="replace an existing OUT_DIR")
-    args = parser.parse_args(argv)
-    if (args.private or args.dry_run) and not args.push_to_hub:
-        parser.error("--private and --dry-run go with --push-to-hub REPO_ID")
-    try:
-        folder = export(args.model_dir, args.out_dir, results=args.results, license_name=args.license,
-                        max_shard_size=args.max_shard_size, repo_name=args.push_to_hub, force=args.force)
-        print(f"exported {folder}")
-        if args.push_to_hub:
-            print(push_to_hub(folder, args.push_to_hub, private=args.private, dry_run=args.dry_run))
-    except (ExportError, OSError) as error:
-        print(f"lex export: {error}", file=sys.stderr)
-        return 2
-    return 0

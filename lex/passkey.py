@@ -5,9 +5,7 @@ so a reader sees what a window of w can and cannot recall: beyond the window (bl
 the key is simply not visible, and a LEX model cannot retrieve it.
 """
 
-import json
 import random
-from pathlib import Path
 
 import torch
 
@@ -44,22 +42,8 @@ def probe(model, tokenizer, distances: list[int], trials: int = 5, seed: int = 0
     return rows
 
 
-def passkey_report(models: list[str], output_dir: Path, device: str = "cpu") -> str:
-    from transformers import AutoTokenizer
-
-    from .eval_length import load_model
-
-    lines = ["| model | window | distance | accuracy | key NLL/token |", "|---|---|---|---|---|"]
-    results = {}
-    for path in models:
-        model = load_model(path, None, device)
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        w = model.config.attention_window
-        distances = sorted({w // 4, w // 2, w, 2 * w, 4 * w})
-        rows = probe(model, tokenizer, distances)
-        results[Path(path).name] = rows
-        lines += [f"| {Path(path).name} | {w} | {r['distance']} | {r['accuracy']:.2f} | {r['key_nll_per_token']:.2f} |"
-                  for r in rows]
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "passkey.json").write_text(json.dumps(results, indent=2))
-    return "\n".join(lines)
+def passkey_rows(model, tokenizer, name: str, trials: int = 5) -> list[dict]:
+    """`probe` at w/4, w/2, w, 2w and 4w tokens (w: the model's attention window), rows labelled with `name`."""
+    w = model.config.attention_window
+    distances = sorted({w // 4, w // 2, w, 2 * w, 4 * w})
+    return [{"model": name, "window": w, **row} for row in probe(model, tokenizer, distances, trials)]

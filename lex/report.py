@@ -1,19 +1,62 @@
-"""The study's tables, plots and a reading of its numbers, as `report.md` a person reads on GitHub or the Hub.
+"""Tables, plots and report.md: every figure and Markdown table the project prints or writes is built here.
 
-Everything here is computed from the study's rows ({model, attention_mode, protocol, length, ppl, ...}) and
-resolution rows, so the terminal, study.json and report.md cannot disagree. The study's plots live here (not
-in eval_length / resolution / train) so that a later refactor can fold the package's matplotlib code together.
+Everything is computed from result rows ({model, attention_mode, protocol, length, ppl, ...} per perplexity;
+resolution and passkey rows), so the terminal, the JSON files and report.md cannot disagree.
 """
 
+import csv
+import json
 from pathlib import Path
-
-from .eval_length import table
 
 # A perplexity that moves by less than this fraction between l and 16*l "stays" (the rest "rises" or "falls").
 FLAT = 0.05
+GROUP_LABELS = {"model": "model", "attention_mode": "attention", "protocol": "protocol"}
 
 
-def tables(rows: list[dict], resolution: str, length: int) -> list[tuple[str, str]]:
+# ---------------------------------------------------------------- Markdown tables
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    """A GitHub Markdown table; cells are written with str()."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def length_table(records: list[dict], keys: tuple[str, ...] | None = None) -> str:
+    """Perplexity by evaluation length: one row per distinct (keys) group, one column per length, "-" where a
+    group lacks a length. `keys` default to those of model, attention_mode, protocol that the records have."""
+    keys = keys or tuple(k for k in GROUP_LABELS if any(k in r for r in records))
+    lengths = sorted({r["length"] for r in records})
+    groups: dict[tuple, dict[int, float]] = {}
+    for record in records:
+        groups.setdefault(tuple(str(record.get(k, "")) for k in keys), {})[record["length"]] = record["ppl"]
+    rows = [[*group, *(f"{values[n]:.2f}" if n in values else "-" for n in lengths)] for group, values in groups.items()]
+    return markdown_table([GROUP_LABELS[k] for k in keys] + [str(n) for n in lengths], rows)
+
+
+def protocol_table(rows: list[dict], protocol: str) -> str:
+    """`length_table` of one protocol's rows: one row per (model, attention mode)."""
+    return length_table([r for r in rows if r["protocol"] == protocol], ("model", "attention_mode"))
+
+
+def resolution_table(rows: list[dict]) -> str:
+    return markdown_table(
+        ["model", "position", "resolution (mean)", "per layer"],
+        [[r["model"], r["position_embedding_type"], f"{r['resolution']:.4f}",
+          ", ".join(f"{x:.4f}" for x in r["resolution_per_layer"])] for r in rows],
+    )
+
+
+def passkey_table(rows: list[dict]) -> str:
+    return markdown_table(
+        ["model", "window", "distance", "accuracy", "key NLL/token"],
+        [[r["model"], r["window"], r["distance"], f"{r['accuracy']:.2f}", f"{r['key_nll_per_token']:.2f}"]
+         for r in rows],
+    )
+
+
+def tables(rows: list[dict], resolution_rows: list[dict], length: int) -> list[tuple[str, str]]:
     """(title, Markdown table) of the paper's Tables 2, 5 (both protocols) and 3, in reading order."""
     by_paper = [r for r in rows if r["protocol"] == "segments"]
     paper_rows = [r for r in by_paper if r["attention_mode"] == "full"]
@@ -21,12 +64,15 @@ def tables(rows: list[dict], resolution: str, length: int) -> list[tuple[str, st
                    if r["attention_mode"] == "blockwise" and r["model"] == "xpos"]
     return [
         (f"Table 2: perplexity by evaluation length (trained at l={length}; the paper's protocol: "
-         "non-overlapping segments)", table(paper_rows)),
-        ("Table 5: with (blockwise) and without (full) blockwise causal attention", table(rows, "segments")),
+         "non-overlapping segments)", protocol_table(paper_rows, "segments")),
+        ("Table 5: with (blockwise) and without (full) blockwise causal attention", protocol_table(rows, "segments")),
         ("The same with the strided protocol (every token scored with as much context as the length allows)",
-         table(rows, "strided")),
-        ("Table 3: attention resolution (eq. 3)", resolution),
+         protocol_table(rows, "strided")),
+        ("Table 3: attention resolution (eq. 3)", resolution_table(resolution_rows)),
     ]
+
+
+# ---------------------------------------------------------------- the reading of a study
 
 
 def _ppl(rows: list[dict], model: str, mode: str, protocol: str, length: int) -> float:
@@ -76,6 +122,25 @@ def reading(rows: list[dict], resolution_rows: list[dict], length: int) -> list[
     return lines
 
 
+# ---------------------------------------------------------------- plots
+
+
+def _pyplot():
+    """matplotlib's pyplot on the Agg backend: files only, no display needed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    _pyplot().close(fig)
+
+
 def _plain_log2_axis(ax, ticks: list[int]) -> None:
     """A log2 x axis whose ticks are the evaluated lengths written as plain numbers (not 2^7)."""
     from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
@@ -88,11 +153,9 @@ def _plain_log2_axis(ax, ticks: list[int]) -> None:
 
 def perplexity_figure(rows: list[dict]):
     """Perplexity against evaluation length, one panel per protocol; linear y with plain numbers."""
-    import matplotlib
+    from matplotlib.ticker import ScalarFormatter
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     protocols = list(dict.fromkeys(r["protocol"] for r in rows))
     lengths = sorted({r["length"] for r in rows})
     fig, axes = plt.subplots(1, len(protocols), figsize=(6 * len(protocols), 4), squeeze=False)
@@ -105,42 +168,68 @@ def perplexity_figure(rows: list[dict]):
         for training_length in {r["training_length"] for r in selected}:
             ax.axvline(training_length, color="grey", linestyle=":", linewidth=1)
         _plain_log2_axis(ax, lengths)
-        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.yaxis.set_major_formatter(ScalarFormatter())
         ax.set_xlabel("evaluation length (tokens; dotted: training length l)")
         ax.set_ylabel("perplexity")
         ax.set_title(f"protocol: {protocol}")
         ax.legend(fontsize=7)
-    fig.tight_layout()
     return fig
 
 
 def plot_perplexity(rows: list[dict], path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    fig = perplexity_figure(rows)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(perplexity_figure(rows), path)
 
 
 def plot_losses(histories: dict[str, list[dict]], path: Path) -> None:
-    """Training loss against step for every model in one plot (plain axes)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    """Training loss (lines) and validation loss (dots) against step, from Trainer log histories by name."""
+    fig, ax = _pyplot().subplots(figsize=(6, 4))
     for name, history in histories.items():
-        ax.plot(*zip(*[(e["step"], e["loss"]) for e in history if "loss" in e]), label=name)
+        train = [(e["step"], e["loss"]) for e in history if "loss" in e]
+        evaluation = [(e["step"], e["eval_loss"]) for e in history if "eval_loss" in e]
+        if train:
+            ax.plot(*zip(*train), label=name)
+        if evaluation:
+            ax.plot(*zip(*evaluation), "o-", label=f"{name} (validation)")
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
+    ax.set_ylabel("loss")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path)
 
 
-def markdown(study: dict, resolution: str) -> str:
+def plot_resolution(curves: dict, analytic: dict, path: Path) -> None:
+    """Left: each model's mean pre-softmax score by distance; right: eq. 8's analytic curves."""
+    fig, (left, right) = _pyplot().subplots(1, 2, figsize=(11, 4))
+    for name, curve in curves.items():
+        left.plot(curve, label=name)
+    left.set_xlabel("relative distance n")
+    left.set_ylabel("mean pre-softmax score ŝ[n]")
+    left.legend(fontsize=7)
+    for name, curve in analytic.items():
+        right.plot(curve, label=name)
+    right.set_xlabel("relative distance n")
+    right.set_ylabel("g[n] (eq. 8, normalised)")
+    right.legend()
+    _save(fig, path)
+
+
+# ---------------------------------------------------------------- files
+
+
+def write_results(rows: list[dict], output_dir: Path) -> None:
+    """results.json, results.csv and ppl_vs_length.png of perplexity rows."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "results.json").write_text(json.dumps(rows, indent=2))
+    with (output_dir / "results.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    plot_perplexity(rows, output_dir / "ppl_vs_length.png")
+
+
+# ---------------------------------------------------------------- report.md
+
+
+def markdown(study: dict) -> str:
     """report.md: settings, the tables, the plots embedded, and the reading, all from study.json's content."""
     settings, length = study["settings"], study["settings"]["length"]
     machine = study["machine"]
@@ -153,10 +242,7 @@ def markdown(study: dict, resolution: str) -> str:
         "",
         "## Settings",
         "",
-        "| setting | value |",
-        "|---|---|",
-        *[f"| {key} | {value} |" for key, value in settings.items()],
-        f"| seed | {study['seed']} |",
+        markdown_table(["setting", "value"], [*settings.items(), ("seed", study["seed"])]),
         "",
         f"Ran in {study['seconds'] / 60:.1f} minutes on {machine['cpus']} CPUs ({machine['torch_threads']} torch "
         f"thread(s), device {machine['device']}, load average {machine['load_average']:.2f} at the start), "
@@ -167,7 +253,7 @@ def markdown(study: dict, resolution: str) -> str:
         *reading(study["rows"], study["resolution"], length),
         "",
     ]
-    for title, body in tables(study["rows"], resolution, length):
+    for title, body in tables(study["rows"], study["resolution"], length):
         lines += [f"## {title}", "", body, ""]
     lines += [
         "## Plots",

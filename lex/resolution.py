@@ -11,13 +11,13 @@ Eq. 8's analytic expectation for random q, k is g[n] = sum_i cos(n theta_i) zeta
 RoPE), normalised here by d/2.
 """
 
-import json
-from pathlib import Path
-
 import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from modeling_lex.attention import _position_terms
-from modeling_lex.xpos import apply_rotary, inverse_frequencies, xpos_zeta
+from modeling_lex.attention import eager_attention_forward
+from modeling_lex.xpos import inverse_frequencies, xpos_zeta
+
+from .data import DataError, tokenized_documents
 
 
 def resolution(scores: torch.Tensor) -> float:
@@ -38,85 +38,75 @@ def analytic_curve(head_dim: int, distances: int, kind: str, theta: float = 1e4,
 
 @torch.no_grad()
 def expected_scores(model, windows: list[torch.Tensor]) -> torch.Tensor:
-    """(layers, N) mean pre-softmax score at each distance n, from the model's own q, k and positions."""
-    config = model.config
-    captured: list[torch.Tensor] = []
-    handles = [layer.self_attn.register_forward_pre_hook(lambda mod, args, kwargs: captured.append(
-        (mod, args[0] if args else kwargs["hidden_states"])), with_kwargs=True) for layer in model.model.layers]
+    """(layers, N) mean pre-softmax score at each distance n, as the model itself computes it.
+
+    The scores come from the model's own forward: a recording attention function is registered in transformers'
+    attention registry (`ALL_ATTENTION_FUNCTIONS`) and selected with `set_attn_implementation` for the duration of
+    the call. Each layer hands it q and k already position-encoded (xPos, RoPE, decay), the additive mask with any
+    fixed bias folded in (ALiBi, Sandwich) and the learned bias (KERPLE); it records q k^T * scaling + bias + mask
+    and then runs the eager attention, so the forward goes on unchanged. Windows are truncated to the shortest
+    and must hold at most w tokens, so that each layer's attention is one dense causal tile.
+    """
+    window = model.config.attention_window
     length = min(len(w) for w in windows)
-    sums = torch.zeros(len(model.model.layers), length, dtype=torch.float64)
+    if length > window:
+        raise ValueError(f"expected_scores reads one dense attention tile per layer: windows must hold at most "
+                         f"attention_window = {window} tokens, the shortest holds {length}")
+    layers = len(model.model.layers)
+    sums = torch.zeros(layers, length, dtype=torch.float64)
+    recorded: dict[int, torch.Tensor] = {}
+
+    def record(module, query, key, value, attention_mask, scaling, dropout=0.0, position_bias=None, **kwargs):
+        if query.shape[-2] != length or key.shape[-2] != length or module.layer_idx in recorded:
+            raise RuntimeError(f"expected_scores expects one dense {length} x {length} attention tile per layer, "
+                               f"got queries {tuple(query.shape)} against keys {tuple(key.shape)} in layer "
+                               f"{module.layer_idx}")
+        scores = (query.double() @ key.double().transpose(-1, -2)) * scaling
+        if position_bias is not None:
+            scores = scores + position_bias.double()
+        if attention_mask is not None and attention_mask.dtype != torch.bool:
+            scores = scores + attention_mask.double()  # the fixed bias where allowed; only the causal part is read
+        recorded[module.layer_idx] = scores.mean(dim=(0, 1)).cpu()  # (n, n) over batch and heads
+        return eager_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                       position_bias=position_bias, **kwargs)
+
+    name = f"lex_expected_scores_{id(record):x}"
+    previous = model.config._attn_implementation
+    ALL_ATTENTION_FUNCTIONS[name] = record  # this call's own entry; removed below
     try:
-        for window in windows:
-            captured.clear()
-            model(window[None, :length].to(model.device))
-            for index, (module, hidden) in enumerate(captured):
-                batch, n, _ = hidden.shape
-                shape = (batch, n, module.num_heads, module.head_dim)
-                q = module.q_proj(hidden).view(shape).transpose(1, 2).float()
-                k = module.k_proj(hidden).view(shape).transpose(1, 2).float()
-                positions = torch.arange(n, device=hidden.device)[None]
-                factors, bias, distance = _position_terms(config, positions, positions)
-                if factors is not None:
-                    cos_q, sin_q, cos_k, sin_k = (f.unsqueeze(1) for f in factors)
-                    q, k = apply_rotary(q, cos_q, sin_q), apply_rotary(k, cos_k, sin_k)
-                scores = (q @ k.transpose(-1, -2)) * module.scaling
-                if bias is not None:
-                    scores = scores + bias
-                if distance is not None:
-                    scores = scores + module.learned_bias(distance)
-                scores = scores.mean(dim=(0, 1)).double().cpu()  # (n, n) over batch and heads
-                sums[index] += torch.stack([scores.diagonal(-d).mean() for d in range(n)])
+        model.set_attn_implementation(name)
+        if model.config._attn_implementation != name:
+            raise RuntimeError(f"{type(model).__name__} did not take the recording attention implementation")
+        for window_ids in windows:
+            recorded.clear()
+            model(window_ids[None, :length].to(model.device))
+            if sorted(recorded) != list(range(layers)):
+                raise RuntimeError(f"the recording attention saw layers {sorted(recorded)} of {layers}")
+            for index in range(layers):
+                scores = recorded[index]
+                sums[index] += torch.stack([scores.diagonal(-d).mean() for d in range(length)])
     finally:
-        for handle in handles:
-            handle.remove()
+        try:
+            model.set_attn_implementation(previous)
+        finally:
+            del ALL_ATTENTION_FUNCTIONS[name]
     return sums / len(windows)
 
 
-def resolution_report(models: list[str], texts: list[str], output_dir: Path, device: str = "cpu",
-                      windows_per_model: int = 8) -> str:
-    """Resolution per layer for each model folder on windows of w tokens; writes resolution.json/.png."""
-    import matplotlib
+def resolution_rows(model, tokenizer, name: str, texts: list[str], windows: int = 8) -> tuple[dict, list[float]]:
+    """One model's resolution per layer on up to `windows` windows of w tokens of `texts`, and its mean
+    expected-score curve (over layers) for the plot."""
+    w = model.config.attention_window
+    spans = [d[i : i + w] for d in tokenized_documents(tokenizer, texts) for i in range(0, len(d) - w + 1, w)][:windows]
+    if not spans:
+        raise DataError(f"no evaluation text holds a window of {w} tokens for {name}")
+    scores = expected_scores(model, spans)
+    per_layer = [resolution(s) for s in scores]
+    row = {"model": name, "position_embedding_type": model.config.position_embedding_type,
+           "resolution_per_layer": per_layer, "resolution": sum(per_layer) / len(per_layer)}
+    return row, scores.mean(0).tolist()
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from transformers import AutoTokenizer
 
-    from .eval_length import load_model
-
-    rows, curves = [], {}
-    for path in models:
-        model = load_model(path, None, device)
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        w = model.config.attention_window
-        ids = [torch.tensor(tokenizer(t, add_special_tokens=False).input_ids) for t in texts]
-        windows = [d[i : i + w] for d in ids for i in range(0, len(d) - w + 1, w)][:windows_per_model]
-        if not windows:
-            raise ValueError(f"no evaluation text holds a window of {w} tokens for {path}")
-        scores = expected_scores(model, windows)
-        per_layer = [resolution(s) for s in scores]
-        name = Path(path).name
-        rows.append({"model": name, "position_embedding_type": model.config.position_embedding_type,
-                     "resolution_per_layer": per_layer, "resolution": sum(per_layer) / len(per_layer)})
-        curves[name] = scores.mean(0)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "resolution.json").write_text(json.dumps(rows, indent=2))
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, curve in curves.items():
-        left.plot(curve.numpy(), label=name)
-    left.set_xlabel("relative distance n")
-    left.set_ylabel("mean pre-softmax score ŝ[n]")
-    left.legend(fontsize=7)
-    for kind in ("rope", "xpos"):
-        right.plot(analytic_curve(64, 4096, kind).numpy(), label=f"{kind} (d=64)")
-    right.set_xlabel("relative distance n")
-    right.set_ylabel("g[n] (eq. 8, normalised)")
-    right.legend()
-    fig.tight_layout()
-    fig.savefig(output_dir / "resolution.png", dpi=100)
-    plt.close(fig)
-
-    lines = ["| model | position | resolution (mean) | per layer |", "|---|---|---|---|"]
-    lines += [f"| {r['model']} | {r['position_embedding_type']} | {r['resolution']:.4f} | "
-              + ", ".join(f"{x:.4f}" for x in r["resolution_per_layer"]) + " |" for r in rows]
-    return "\n".join(lines)
+def analytic_curves(head_dim: int = 64, distances: int = 4096) -> dict[str, list[float]]:
+    """Eq. 8 for RoPE and xPos, the right panel of resolution.png."""
+    return {f"{kind} (d={head_dim})": analytic_curve(head_dim, distances, kind).tolist() for kind in ("rope", "xpos")}

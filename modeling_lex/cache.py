@@ -102,7 +102,7 @@ class LexCache(DynamicCache):
         first_needed = int((block_start - block).min())
         return max(0, min(available, total - first_needed))
 
-    def extend(
+    def register_tokens(
         self, query_positions: torch.Tensor, new_valid: torch.Tensor, plain: bool
     ) -> tuple[AttentionContext, int | None]:
         """Register the new tokens of a forward; returns the attention context and how many keys layers keep.
@@ -298,7 +298,7 @@ class LexStaticCache(StaticCache):
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return self.slots + query_length, 0
 
-    def extend(
+    def register_tokens(
         self, query_positions: torch.Tensor, new_valid: torch.Tensor, plain: bool
     ) -> tuple[AttentionContext, None]:
         """Register the new tokens of a forward in place; returns the attention context."""

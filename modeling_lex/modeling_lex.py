@@ -234,7 +234,7 @@ class LexModel(LexPreTrainedModel):
         plain = caller_plain or not compiling and bool(new_valid.all()) and bool((position_ids.diff(dim=-1) == 1).all())
 
         if lex_cache:
-            ctx, keep = past_key_values.extend(position_ids, new_valid, plain)
+            ctx, keep = past_key_values.register_tokens(position_ids, new_valid, plain)
         else:  # no cache, or one that holds every past key contiguously before the first new position
             past_positions = position_ids[:, :1] - seen + torch.arange(seen, device=device)
             past_valid = mask[:, :seen] if past else new_valid.new_ones(batch, seen)
@@ -284,7 +284,7 @@ class LexModel(LexPreTrainedModel):
         )
         keep = None
         if isinstance(past_key_values, LEX_CACHES):  # an empty LEX cache registers the tokens as one stream
-            _, keep = past_key_values.extend(position_ids, valid, plain=False)
+            _, keep = past_key_values.register_tokens(position_ids, valid, plain=False)
         return ctx, keep, False
 
     def embed(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, positions: torch.Tensor):

@@ -2,7 +2,7 @@
 
 accelerate turns FSDP into DDP on CPU, so this drives what `lex train` relies on under FSDP directly, over gloo:
 a LEX model wrapped with torch's `fully_shard` (per decoder layer, then the root), sharded checkpoints written and
-read with torch.distributed.checkpoint, and the final folder written by `lex.train.save_full_model` on every rank.
+read with torch.distributed.checkpoint, and the final folder written by `lex.training.save_full_model` on every rank.
 
 Writes to WORKDIR (rank 0): result.json (world size, uninterrupted and resumed losses), final/ (the folder under
 test), reference.safetensors (the gathered in-memory weights, DTensor.full_tensor(), the independent reference).
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from configuration_lex import LexConfig  # noqa: E402
-from lex.train import save_full_model  # noqa: E402
+from lex.training import save_full_model  # noqa: E402
 from modeling_lex import LexForCausalLM  # noqa: E402
 
 STEPS, CHECKPOINT_AT, BATCH, LENGTH = 6, 3, 4, 16

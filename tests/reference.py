@@ -82,10 +82,11 @@ def visible(mode, window, n, pad):
     return allowed
 
 
-def forward(state, config, input_ids, pad=0, positions=None, maps=None):
+def forward(state, config, input_ids, pad=0, positions=None, maps=None, layer_scores=None):
     """Logits (n, vocab) of one row; the first `pad` tokens are padding (masked as keys).
 
-    `maps`: a list that receives each layer's attention weights (heads, n, n)."""
+    `maps`: a list that receives each layer's attention weights (heads, n, n); `layer_scores`: one that receives each
+    layer's pre-softmax scores (heads, n, n), position terms included, before the mask."""
     sd = {k: v.double() for k, v in state.items()}
     n = input_ids.shape[0]
     h, d = config.num_attention_heads, config.hidden_size // config.num_attention_heads
@@ -106,7 +107,7 @@ def forward(state, config, input_ids, pad=0, positions=None, maps=None):
         residual = x
         y = ln(x, p + "self_attn_layer_norm") if config.normalize_before else x
         q, k, v = (lin(y, p + f"self_attn.{name}_proj") for name in "qkv")
-        heads, weights = [], []
+        heads, weights, raw = [], [], []
         for head in range(h):
             sl = slice(head * d, (head + 1) * d)
             qh, kh, vh = q[:, sl], k[:, sl], v[:, sl]
@@ -124,11 +125,14 @@ def forward(state, config, input_ids, pad=0, positions=None, maps=None):
                 scores = scores - r1 * torch.log(1 + r2 * distance.abs())
             if kind == "sandwich":
                 scores = scores + sandwich(positions, h, config.sandwich_dim)[head]
+            raw.append(scores)
             scores = scores.masked_fill(~allowed, float("-inf"))
             weights.append(torch.softmax(scores, -1))
             heads.append(weights[-1] @ vh)
         if maps is not None:
             maps.append(torch.stack(weights))
+        if layer_scores is not None:
+            layer_scores.append(torch.stack(raw))
         attn = torch.cat(heads, -1)
         if config.subln:
             attn = ln(attn, p + "self_attn.inner_attn_ln")
@@ -154,3 +158,10 @@ def attention_maps(state, config, input_ids):
     maps = []
     forward(state, config, input_ids, maps=maps)
     return maps
+
+
+def pre_softmax_scores(state, config, input_ids):
+    """Each layer's pre-softmax scores (heads, n, n) of one row: q.k / sqrt(d) with its position terms, unmasked."""
+    out = []
+    forward(state, config, input_ids, layer_scores=out)
+    return out

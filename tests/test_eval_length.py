@@ -11,11 +11,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from configuration_lex import LexConfig
-from lex import eval_length
+from lex import perplexity
 from lex.cli import main as lex
 from lex.data import kjv_books, train_tokenizer
-from lex.resolution import analytic_curve, resolution
+from lex.resolution import analytic_curve, expected_scores, resolution
 from modeling_lex import LexForCausalLM
+from tests import reference
 
 METRIC = Path(__file__).resolve().parents[1] / "lex" / "metrics" / "length_perplexity"
 
@@ -53,7 +54,7 @@ def spans(budget: int, length: int, protocol: str) -> list[tuple[int, int, int]]
 
 
 def hand_computed(folder: Path, texts: list[str], length: int, protocol: str, budget: int) -> float:
-    """The two protocols written out token by token, independently of lex.eval_length."""
+    """The two protocols written out token by token, independently of lex.perplexity."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
@@ -95,12 +96,12 @@ def tiny_lex(mode: str, window: int = 16, vocab: int = 300) -> LexForCausalLM:
 def test_streamed_evaluation_equals_full_logits(mode, protocol, monkeypatch):
     """w = 16; windows shorter than, equal to and several times w, batched by 2 over 3 documents, and logits
     taken 3 positions at a time so that slices cut through the w-token chunks."""
-    monkeypatch.setattr(eval_length, "HEAD_TOKENS", 6)
+    monkeypatch.setattr(perplexity, "HEAD_TOKENS", 6)
     model = tiny_lex(mode)
     generator = torch.Generator().manual_seed(1)
     documents = [torch.randint(0, 300, (n,), generator=generator) for n in (100, 100, 130)]
     lengths = [8, 16, 40, 100]
-    scores = eval_length.perplexity_by_length(model, documents, lengths, protocol, batch_size=2)
+    scores = perplexity.perplexity_by_length(model, documents, lengths, protocol, batch_size=2)
     for length in lengths:
         nll, count = full_logits_nll(model, [d[:100] for d in documents], length, protocol)
         assert scores[length].tokens == count
@@ -114,7 +115,7 @@ def test_other_causal_lms_are_scored_as_before():
     model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=2)).eval()
     documents = [torch.randint(0, 300, (70,)) for _ in range(2)]
-    scores = eval_length.perplexity_by_length(model, documents, [16, 70], "strided", batch_size=2)
+    scores = perplexity.perplexity_by_length(model, documents, [16, 70], "strided", batch_size=2)
     for length in (16, 70):
         nll, count = full_logits_nll(model, documents, length, "strided")
         assert (scores[length].tokens, scores[length].nll) == (count, pytest.approx(nll, rel=1e-5))
@@ -139,7 +140,7 @@ def largest_tensor(model: LexForCausalLM, tokens: int) -> int:
     """The largest tensor of the evaluation of one `tokens`-long document as one strided window."""
     document = torch.randint(0, model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
     with LargestTensor() as probe:
-        eval_length.perplexity_by_length(model, [document], [tokens], "strided", batch_size=1)
+        perplexity.perplexity_by_length(model, [document], [tokens], "strided", batch_size=1)
     return probe.bytes
 
 
@@ -174,6 +175,40 @@ def test_resolution_is_equation_3():
     assert resolution(s + 7.0) == pytest.approx(direct, rel=1e-9)
     assert resolution(torch.zeros(10)) == 0.0
     assert resolution(torch.tensor([0.0, -100.0])) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("kind", ["xpos", "rope", "alibi", "kerple", "sandwich"])
+def test_expected_scores_equal_the_naive_reference(kind):
+    """The mean pre-softmax score at each distance, read from the model's own forward, against the float64 naive
+    model's scores (tests/reference.py, independent of modeling_lex) on a random model whose every parameter is
+    perturbed (KERPLE's r1, r2 included). Windows of 16, 15 and 16 tokens (w = 16): all are cut to 15. The
+    model's attention implementation and transformers' attention registry are left as they were."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    torch.manual_seed(0)
+    config = LexConfig(vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, max_position_embeddings=16, position_embedding_type=kind)
+    model = LexForCausalLM(config).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * (0.15 if parameter.dim() > 1 else 0.1))
+    windows = [torch.randint(0, 97, (n,)) for n in (16, 15, 16)]
+    implementation, registry = model.config._attn_implementation, set(ALL_ATTENTION_FUNCTIONS)
+
+    got = expected_scores(model, windows)
+
+    state, n = model.state_dict(), 15
+    expected = torch.zeros(2, n, dtype=torch.float64)
+    for window in windows:
+        for layer, scores in enumerate(reference.pre_softmax_scores(state, config, window[:n])):
+            mean = scores.mean(0)  # over heads
+            expected[layer] += torch.stack([mean.diagonal(-d).mean() for d in range(n)]) / len(windows)
+    assert got.dtype == torch.float64 and got.shape == (2, n)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert (model.config._attn_implementation, set(ALL_ATTENTION_FUNCTIONS)) == (implementation, registry)
+    with pytest.raises(ValueError, match="at most attention_window = 16"):
+        expected_scores(model, [torch.randint(0, 97, (17,))])
+    assert (model.config._attn_implementation, set(ALL_ATTENTION_FUNCTIONS)) == (implementation, registry)
 
 
 def test_analytic_curve_xpos_decays_where_rope_oscillates():

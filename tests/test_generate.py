@@ -8,7 +8,9 @@ import warnings
 
 import pytest
 import torch
+import transformers
 from transformers import DynamicCache, GenerationConfig, TextStreamer
+from transformers.testing_utils import CaptureLogger
 
 import modeling_lex  # noqa: F401
 from modeling_lex import LexCache
@@ -206,12 +208,19 @@ def test_dynamic_cache_passed_by_hand_gives_the_same_logits():
 
 
 def test_default_length_after_a_prompt_longer_than_training():
-    """transformers caps its default max_length at max_position_embeddings; LEX gets 20 new tokens, no warning."""
+    """transformers caps its default max_length at max_position_embeddings; LEX gets 20 new tokens, no warning.
+
+    transformers warns through its own logger (`logger.warning_once`, remembered per process), not `warnings`:
+    the test clears that memory and reads the logger.
+    """
     model = perturbed_model(tiny_config())
-    with warnings.catch_warnings():
+    logger = transformers.utils.logging.get_logger("transformers")
+    logger.warning_once.cache_clear()
+    with CaptureLogger(logger) as captured, warnings.catch_warnings():
         warnings.simplefilter("error")
         out = model.generate(prompt(1, 3 * W), pad_token_id=PAD)
     assert out.shape[1] == 3 * W + 20
+    assert captured.out == ""
 
 
 # ---------------------------------------------------------------- positions far away, half precision

@@ -4,10 +4,15 @@ import math
 
 import pytest
 import torch
+from huggingface_hub.errors import (
+    StrictDataclassClassValidationError,
+    StrictDataclassError,
+    StrictDataclassFieldValidationError,
+)
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import modeling_lex  # noqa: F401  (registers the Auto classes)
-from configuration_lex import LexConfig
+from configuration_lex import ATTENTION_MODES, HIDDEN_ACTS, POSITION_EMBEDDING_TYPES, LexConfig
 from modeling_lex import LexForCausalLM
 from modeling_lex.xpos import apply_rotary, rotary_factors
 from tests import reference
@@ -146,17 +151,44 @@ def test_left_padding_equals_reference_and_row_alone(mode):
             torch.testing.assert_close(logits[row, pad:], alone, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("n", [3, 11, 16])
+@pytest.mark.parametrize("n", [3, 11, 16, 20])  # < b, between b and w, = w (all plain causal); w + 4 (the modes part)
 def test_modes_agree_up_to_window(n):
+    """Up to n = w every mode is plain causal attention, past w the modes part.
+
+    Each mode is held to the float64 reference (tests/reference.py), not to another mode: the model's plan does
+    not look at the mode for n <= w, so mode-against-mode would compare one code path with itself. Unpadded
+    rows take the plain causal tile; the left-padded row takes the `visible` mask (blocks counted from the
+    first real token). At n = w + 4 blockwise and sliding must differ from full after position w (and only
+    there), so the comparison does see the mode.
+    """
     torch.manual_seed(0)
     ids = torch.randint(0, 97, (2, n))
-    outputs = []
+    pad = 2
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    logits = {}
     for mode in MODES:
-        model = perturbed_model(tiny_config(attention_mode=mode))
+        config = tiny_config(attention_mode=mode)
+        model = perturbed_model(config)
         with torch.no_grad():
-            outputs.append(model(ids).logits)
-    torch.testing.assert_close(outputs[0], outputs[1], atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(outputs[0], outputs[2], atol=1e-6, rtol=1e-6)
+            plain = model(ids).logits
+            padded = model(ids, attention_mask=mask).logits
+        state = model.state_dict()
+        for row in range(2):
+            expected = reference.forward(state, config, ids[row])
+            torch.testing.assert_close(plain[row].double(), expected, atol=1e-5, rtol=1e-5,
+                                       msg=lambda m: f"{mode}: {m}")
+        expected = reference.forward(state, config, ids[1], pad=pad)
+        torch.testing.assert_close(padded[1, pad:].double(), expected[pad:], atol=1e-5, rtol=1e-5,
+                                   msg=lambda m: f"{mode}, left-padded: {m}")
+        logits[mode] = plain
+    w = config.attention_window
+    assert w == 16
+    for mode in ("blockwise", "sliding"):
+        torch.testing.assert_close(logits[mode][:, :w], logits["full"][:, :w], atol=1e-5, rtol=1e-5)
+        if n > w:
+            gap = (logits[mode][:, w:] - logits["full"][:, w:]).abs().amax(dim=-1)
+            assert (gap > 1e-3).all(), f"{mode} equals full past the window: {gap}"
 
 
 @pytest.mark.parametrize("mode", ["blockwise", "sliding"])
@@ -171,7 +203,7 @@ def test_one_layer_window_equals_full_forward_over_visible_keys(mode, kind):
     full.load_state_dict(model.state_dict())
     torch.manual_seed(4)
     ids = torch.randint(0, config.vocab_size, (1, 70))
-    b, w = config.block_size, config.attention_window
+    b, w = config.bca_block_length, config.attention_window
     with torch.no_grad():
         logits = model(ids).logits[0]
         for p in [0, 7, 8, 15, 16, 23, 40, 69]:
@@ -312,26 +344,88 @@ def test_architecture_switches_match_reference(variant):
 # ---------------------------------------------------------------- configuration errors
 
 
-@pytest.mark.parametrize("field, value", [
-    ("hidden_size", 30),  # not divisible by 4 heads
-    ("num_attention_heads", 16),  # head dim 2 ok? hidden 32/16 = 2 -> even; use 32 heads -> head dim 1
-    ("attention_window", 7),
-    ("attention_window", 2),
-    ("attention_mode", "dilated"),
-    ("position_embedding_type", "t5"),
-    ("xpos_scale_base", 0),
-    ("xpos_scale_base", -3),
-    ("hidden_act", "tanh"),
-    ("attention_dropout", 1.5),
-    ("vocab_size", 0),
+@pytest.mark.parametrize("field, value, error", [
+    ("hidden_size", 30, StrictDataclassClassValidationError),  # not divisible by 4 heads
+    ("num_attention_heads", 32, StrictDataclassClassValidationError),  # 32 / 32 heads: head dim 1, odd
+    ("attention_window", 7, StrictDataclassClassValidationError),
+    ("attention_window", 2, StrictDataclassClassValidationError),
+    ("attention_mode", "dilated", StrictDataclassFieldValidationError),
+    ("position_embedding_type", "t5", StrictDataclassFieldValidationError),
+    ("xpos_scale_base", 0, StrictDataclassFieldValidationError),
+    ("xpos_scale_base", -3, StrictDataclassFieldValidationError),
+    ("hidden_act", "tanh", StrictDataclassFieldValidationError),
+    ("attention_dropout", 1.5, StrictDataclassFieldValidationError),
+    ("attention_dropout", 1.0, StrictDataclassFieldValidationError),
+    ("vocab_size", 0, StrictDataclassFieldValidationError),
+    ("xpos_gamma", -0.1, StrictDataclassFieldValidationError),
+    ("absolute_position_offset", -1, StrictDataclassFieldValidationError),
+    ("absolute_position_embedding", "learned", StrictDataclassFieldValidationError),
+    # what @strict newly catches: wrong types, bools where numbers are meant
+    ("hidden_size", "64", StrictDataclassFieldValidationError),
+    ("attention_window", True, StrictDataclassFieldValidationError),
+    ("layer_norm_eps", True, StrictDataclassFieldValidationError),
+    ("position_embedding_type", None, StrictDataclassFieldValidationError),
+    ("subln", "yes", StrictDataclassFieldValidationError),
 ])
-def test_bad_config_values_name_the_field(field, value):
+def test_bad_config_values_name_the_field(field, value, error):
+    """@strict errors (not ValueError): a field's type or range names the field; a cross-field rule names it too."""
     overrides = {"num_attention_heads": 4, field: value}
     if field == "num_attention_heads":
-        overrides = {"num_attention_heads": 32}
-        field = "hidden_size"
-    with pytest.raises(ValueError, match=field):
+        field = "hidden_size"  # the cross-field message names both
+    with pytest.raises(error, match=rf"\b{field}\b") as caught:
         tiny_config(**overrides)
+    assert isinstance(caught.value, StrictDataclassError) and not isinstance(caught.value, ValueError)
+
+
+@pytest.mark.parametrize("field, value, allowed", [
+    ("attention_mode", "dilated", ATTENTION_MODES),
+    ("position_embedding_type", "t5", POSITION_EMBEDDING_TYPES),
+    ("hidden_act", "tanh", HIDDEN_ACTS),
+])
+def test_bad_choice_lists_the_allowed_values(field, value, allowed):
+    with pytest.raises(StrictDataclassFieldValidationError) as caught:
+        tiny_config(**{field: value})
+    assert f"field '{field}'" in str(caught.value) and str(tuple(allowed)) in str(caught.value)
+
+
+def test_allowed_values_come_from_the_literal_types():
+    import dataclasses
+    import typing
+
+    from configuration_lex import configuration_lex as module
+
+    assert ATTENTION_MODES == ("blockwise", "sliding", "full") == typing.get_args(module.AttentionMode)
+    assert POSITION_EMBEDDING_TYPES == typing.get_args(module.PositionEmbeddingType)
+    assert HIDDEN_ACTS == typing.get_args(module.HiddenAct)
+    hints = {field.name: field.type for field in dataclasses.fields(LexConfig)}
+    assert typing.get_args(hints["attention_mode"]) == ATTENTION_MODES
+    assert typing.get_args(hints["position_embedding_type"]) == POSITION_EMBEDDING_TYPES
+    assert typing.get_args(hints["hidden_act"]) == HIDDEN_ACTS
+
+
+def test_strict_config_accepts_what_the_project_does(tmp_path):
+    """Ints for float fields, assignment of non-fields (auto_map, _attn_implementation), overrides on load,
+    from_dict / to_dict / save_pretrained round trips; a bad assignment after construction is refused."""
+    config = tiny_config(xpos_scale_base=512, hidden_dropout=0, embedding_scale=1, rope_theta=10000)
+    assert config.attention_window == 16 and config.bca_block_length == 8 and config.head_dim == 16
+    config.auto_map = {"AutoConfig": "configuration_lex.LexConfig"}
+    config._attn_implementation = "eager"
+    config.attention_mode = "sliding"
+    with pytest.raises(StrictDataclassFieldValidationError, match="attention_mode"):
+        config.attention_mode = "dilated"
+    with pytest.raises(StrictDataclassFieldValidationError, match="hidden_size"):
+        config.hidden_size = "64"
+    assert config.attention_mode == "sliding" and config.hidden_size == 32
+    assert LexConfig.from_dict(config.to_dict()).to_dict() == config.to_dict()
+    config.save_pretrained(tmp_path)
+    loaded = AutoConfig.from_pretrained(tmp_path, attention_mode="full")
+    assert isinstance(loaded, LexConfig) and loaded.attention_mode == "full"
+    assert loaded.xpos_scale_base == 512 and loaded.attention_window == 16
+    with pytest.raises(StrictDataclassFieldValidationError, match="attention_mode"):
+        AutoConfig.from_pretrained(tmp_path, attention_mode="dilated")
+    config.attention_window = 7  # class rules run on construction and again before saving
+    with pytest.raises(StrictDataclassClassValidationError, match="attention_window=7"):
+        config.save_pretrained(tmp_path / "bad")
 
 
 # ---------------------------------------------------------------- the other position methods of the seed papers

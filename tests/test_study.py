@@ -145,7 +145,7 @@ def test_output_folder_appears_only_when_complete(quick_runs, tmp_path, capsys):
 
 def test_demo_does_not_import_the_metrics_extra():
     """`evaluate` is the extra `metrics` (setup.cfg): `pip install -e .` lacks it, so the demo must not import it."""
-    code = ("import sys, lex.study, lex.report, lex.resolution, lex.train; "
+    code = ("import sys, lex.study, lex.report, lex.resolution, lex.training, lex.commands.demo; "
             "print(sorted(m for m in ('evaluate', 'aiohttp', 'requests') if m in sys.modules))")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

@@ -165,7 +165,7 @@ def test_fsdp2_over_gloo_final_folder_is_full_and_sharded_checkpoints_resume(tra
 
 def test_final_save_is_all_or_nothing(trained, tmp_path, monkeypatch):
     """A crash while the final folder is written leaves no config.json (nothing loadable) and no staging folder."""
-    from lex.train import save_full_model
+    from lex.training import save_full_model
 
     model = AutoModelForCausalLM.from_pretrained(trained)
     tokenizer = AutoTokenizer.from_pretrained(trained)
@@ -343,7 +343,7 @@ def test_fine_tune_a_converted_torchscale_folder(trained, corpus, tmp_path, capl
     assert lex(["convert-torchscale", str(tmp_path / "decoder.pt"), str(converted), "--config",
                 str(tmp_path / "config.json")]) == 0
     out = tmp_path / "tuned"
-    with caplog.at_level(logging.WARNING, logger="lex.train"):
+    with caplog.at_level(logging.WARNING, logger="lex.training"):
         assert lex(["train", "--output_dir", str(out), "--model_name_or_path", str(converted),
                     "--train_files", f"{corpus}/*.txt", "--max_steps", "5", "--save_strategy", "no", *BASE]) == 0
     assert any("holds no tokenizer: training a byte-level BPE" in r.getMessage() for r in caplog.records)

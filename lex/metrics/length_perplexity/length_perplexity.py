@@ -15,7 +15,9 @@ import datasets
 import evaluate
 from transformers import AutoTokenizer
 
-from lex.eval_length import load_model, perplexity_by_length, tokenized_documents
+from lex.data import tokenized_documents
+from lex.models import load_model
+from lex.perplexity import perplexity_by_length
 
 _CITATION = """@article{sun2022length,
   title={A Length-Extrapolatable Transformer},

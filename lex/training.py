@@ -1,19 +1,13 @@
-"""`lex train`: train or fine-tune a LEX model with the HF Trainer, in the shape of run_clm.py.
-
-    lex train --output_dir runs/kjv --config_overrides "hidden_size=256,num_hidden_layers=4" --block_size 256
-    accelerate launch --config_file lex/accelerate_configs/ddp_cpu.yaml -m lex.cli train ... --use_cpu   # DDP
+"""Training and fine-tuning LEX models with the HF Trainer, in the shape of run_clm.py (`lex train`'s library).
 
 Model, data and tokenizer arguments follow examples/pytorch/language-modeling/run_clm.py; every
-TrainingArguments flag passes through. Inputs are checked before anything is written to --output_dir.
+TrainingArguments flag passes through. Inputs are checked before anything is written to --output_dir, and the
+final model is written by every rank together (`save_full_model`), whatever the parallelism.
 """
 
-import json
 import logging
 import math
 import os
-import shutil
-import sys
-import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,12 +17,12 @@ import torch
 import torch.distributed as dist
 import transformers
 from accelerate.utils import extract_model_from_parallel
+from huggingface_hub.errors import StrictDataclassError
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
-    HfArgumentParser,
     Trainer,
     TrainingArguments,
     default_data_collator,
@@ -37,13 +31,13 @@ from transformers import (
 
 import modeling_lex  # noqa: F401  (registers the Auto classes)
 from configuration_lex import LexConfig
+from convert.staging import atomic_files
 
 from .data import DataError, load_documents, pack, split_tail, tokenize_documents, train_tokenizer
+from .models import has_tokenizer
+from .report import plot_losses
 
 logger = logging.getLogger(__name__)
-
-# Files a tokenizer folder holds; a model folder with none of them (a converted checkpoint) gets a new BPE.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
 @dataclass
@@ -100,7 +94,7 @@ def parse_overrides(text: str | None) -> dict:
         lowered = value.lower()
         if lowered in ("true", "false"):
             overrides[key] = lowered == "true"
-        elif lowered in ("none", "null"):
+        elif lowered in ("none", "null") and known[key].default is None:
             overrides[key] = None
         else:
             try:
@@ -133,7 +127,10 @@ def build_model(model_args: ModelArguments, block_size: int, tokenizer):
     overrides.setdefault("bos_token_id", tokenizer.bos_token_id)
     overrides.setdefault("eos_token_id", tokenizer.eos_token_id)
     overrides.setdefault("pad_token_id", tokenizer.pad_token_id)
-    config = LexConfig(**overrides)
+    try:
+        config = LexConfig(**overrides)
+    except StrictDataclassError as error:
+        raise DataError(f"--config_overrides: {error}") from None
     if block_size > config.attention_window:
         raise DataError(f"--block_size {block_size} exceeds attention_window {config.attention_window}")
     return AutoModelForCausalLM.from_config(config)
@@ -156,7 +153,7 @@ def load_tokenizer(model_args: ModelArguments, documents):
         return named_tokenizer(model_args.tokenizer_name, "--tokenizer_name")
     source = model_args.model_name_or_path
     if source:
-        if not Path(source).is_dir() or any((Path(source) / name).is_file() for name in TOKENIZER_FILES):
+        if not Path(source).is_dir() or has_tokenizer(source):
             return named_tokenizer(source, "--model_name_or_path")
         logger.warning(
             "--model_name_or_path %s holds no tokenizer: training a byte-level BPE of %d tokens on the training "
@@ -194,23 +191,16 @@ def save_full_model(model: torch.nn.Module, output_dir: str | Path, processing_c
 
     Every rank must call it: under FSDP the full state dict is gathered collectively (a rank-0-only save hangs
     on NCCL and dies on gloo), whatever state-dict type the checkpoints used. Rank 0 writes the files into a
-    temporary folder and moves them in with config.json last, so a crash never leaves a folder that looks
+    staging folder and moves them in with config.json last, so a crash never leaves a folder that looks
     loadable but holds a partial model.
     """
     state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     distributed = dist.is_available() and dist.is_initialized()
     if not distributed or dist.get_rank() == 0:
-        output = Path(output_dir)
-        output.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=".saving-", dir=output))
-        try:
+        with atomic_files(output_dir) as staging:
             extract_model_from_parallel(model).save_pretrained(staging, state_dict=state_dict)
             if processing_class is not None:
                 processing_class.save_pretrained(staging)
-            for name in sorted((p.name for p in staging.iterdir()), key=lambda name: name == "config.json"):
-                os.replace(staging / name, output / name)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
     if distributed:
         dist.barrier()
 
@@ -220,27 +210,6 @@ def perplexity(loss: float) -> float:
         return math.exp(loss)
     except OverflowError:
         return float("inf")
-
-
-def plot_loss(log_history: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    train = [(e["step"], e["loss"]) for e in log_history if "loss" in e]
-    evaluation = [(e["step"], e["eval_loss"]) for e in log_history if "eval_loss" in e]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    if train:
-        ax.plot(*zip(*train), label="train")
-    if evaluation:
-        ax.plot(*zip(*evaluation), "o-", label="validation")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def prepare(
@@ -298,7 +267,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, training_args: T
         trainer.save_metrics("train", result.metrics)
         trainer.save_state()
         if trainer.is_world_process_zero():
-            plot_loss(trainer.state.log_history, Path(training_args.output_dir) / "loss_curve.png")
+            plot_losses({"train": trainer.state.log_history}, Path(training_args.output_dir) / "loss_curve.png")
     if do_eval:
         evaluation = trainer.evaluate()
         evaluation["perplexity"] = perplexity(evaluation["eval_loss"])
@@ -333,22 +302,3 @@ def process_log_levels(training_args: TrainingArguments):
         transformers.utils.logging.reset_format()
         datasets.utils.logging.set_verbosity(saved[1])
         logger.setLevel(saved[2])
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments))
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) == 1 and args[0].endswith(".json"):
-        model_args, data_args, training_args = parser.parse_json_file(json_file=args[0])
-    else:
-        model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=args)
-    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", datefmt="%m/%d/%Y %H:%M:%S")
-    try:
-        with process_log_levels(training_args):
-            metrics = train(model_args, data_args, training_args)
-    except DataError as error:
-        print(f"lex train: {error}", file=sys.stderr)
-        return 2
-    if training_args.process_index == 0:
-        print(json.dumps({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, indent=2))
-    return 0

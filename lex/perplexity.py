@@ -6,14 +6,9 @@
 - "strided" (HF's "perplexity of fixed-length models"): windows of the target length moved by half a window;
   each token is scored once, with as much context as the length allows. This isolates real use of context.
 
-`lex eval-length MODEL --files GLOB --lengths 256,512 --attention_modes full,blockwise --output_dir DIR`
-prints the table and writes results.csv, results.json and ppl_vs_length.png (and, with --resolution, the
-attention resolution per layer and resolution.png; with --passkey, the passkey probe).
+Used by `lex eval-length`, `lex demo` and the `length_perplexity` evaluate module.
 """
 
-import argparse
-import csv
-import json
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,8 +17,12 @@ from pathlib import Path
 import torch
 from torch import nn
 from tqdm.auto import tqdm
+from transformers import AutoTokenizer
 
 from modeling_lex import LexCache, LexForCausalLM
+
+from .data import tokenized_documents
+from .models import load_model
 
 PROTOCOLS = ("segments", "strided")
 
@@ -133,143 +132,24 @@ def perplexity_by_length(
     return results
 
 
-def load_model(path: str, attention_mode: str | None, device: str, dtype: str = "float32"):
-    from transformers import AutoModelForCausalLM
-
-    overrides = {"attention_mode": attention_mode} if attention_mode else {}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **overrides)
-    return model.to(device).eval()
-
-
-def tokenized_documents(tokenizer, texts: list[str]) -> list[torch.Tensor]:
-    return [torch.tensor(tokenizer(t, add_special_tokens=False).input_ids) for t in texts]
-
-
-def evaluate_model(
+def evaluations(
     path: str, texts: list[str], lengths: list[int], modes: list[str], device: str = "cpu", batch_size: int = 8,
     protocols: tuple[str, ...] = PROTOCOLS, progress: bool = True, label: str | None = None,
-) -> list[dict]:
-    """Rows of {model, attention_mode, protocol, length, ppl, tokens} for one model folder."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    documents = tokenized_documents(tokenizer, texts)
-    rows = []
+) -> Iterator[tuple[str, str, list[dict]]]:
+    """(mode, protocol, rows) for one model folder, one attention mode loaded at a time: rows of
+    {model, attention_mode, protocol, length, training_length, ppl, tokens}."""
+    documents = tokenized_documents(AutoTokenizer.from_pretrained(path), texts)
     for mode in modes:
         model = load_model(path, mode, device)
         for protocol in protocols:
             scores = perplexity_by_length(model, documents, lengths, protocol, batch_size, progress)
-            rows += [
+            yield mode, protocol, [
                 {"model": label or Path(path).name, "attention_mode": mode, "protocol": protocol, "length": length,
                  "training_length": model.config.max_position_embeddings, "ppl": s.ppl, "tokens": s.tokens}
                 for length, s in scores.items()
             ]
-    return rows
 
 
-def table(rows: list[dict], protocol: str = "segments") -> str:
-    """Markdown table: one row per (model, mode), one column per length."""
-    selected = [r for r in rows if r["protocol"] == protocol]
-    lengths = sorted({r["length"] for r in selected})
-    keys = list(dict.fromkeys((r["model"], r["attention_mode"]) for r in selected))
-    lines = [f"| model | attention | {' | '.join(str(n) for n in lengths)} |",
-             "|---|---|" + "---|" * len(lengths)]
-    for model, mode in keys:
-        values = {r["length"]: r["ppl"] for r in selected if (r["model"], r["attention_mode"]) == (model, mode)}
-        lines.append(f"| {model} | {mode} | " + " | ".join(f"{values[n]:.2f}" for n in lengths) + " |")
-    return "\n".join(lines)
-
-
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    protocols = sorted({r["protocol"] for r in rows})
-    fig, axes = plt.subplots(1, len(protocols), figsize=(6 * len(protocols), 4), squeeze=False)
-    for ax, protocol in zip(axes[0], protocols):
-        selected = [r for r in rows if r["protocol"] == protocol]
-        for key in dict.fromkeys((r["model"], r["attention_mode"]) for r in selected):
-            points = sorted((r["length"], r["ppl"]) for r in selected if (r["model"], r["attention_mode"]) == key)
-            ax.plot(*zip(*points), marker="o", label=f"{key[0]} / {key[1]}")
-        training = {r["training_length"] for r in selected}
-        for length in training:
-            ax.axvline(length, color="grey", linestyle=":", linewidth=1)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("evaluation length (tokens)")
-        ax.set_ylabel("perplexity")
-        ax.set_title(f"protocol: {protocol}")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def write_results(rows: list[dict], output_dir: Path) -> None:
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "results.json").write_text(json.dumps(rows, indent=2))
-    with (output_dir / "results.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    plot(rows, output_dir / "ppl_vs_length.png")
-
-
-def read_texts(pattern: str | None) -> list[str]:
-    """Evaluation documents: files matching the globs (one per file), or the held-out KJV books."""
-    from .data import expand_globs, load_documents
-
-    if pattern:
-        return [Path(f).read_text(encoding="utf-8") for f in expand_globs(pattern, "--files")]
-    return list(load_documents()["validation"]["text"])
-
-
-def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="lex eval-length", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model", nargs="+", help="model folders (a LEX folder, or any causal LM)")
-    parser.add_argument("--files", help="globs of evaluation text files; default: the held-out KJV books")
-    parser.add_argument("--lengths", default="256,512,1024,2048", help="comma-separated evaluation lengths")
-    parser.add_argument("--attention_modes", default="full,blockwise", help="comma-separated: full,blockwise,sliding")
-    parser.add_argument("--protocols", default="segments,strided")
-    parser.add_argument("--output_dir", type=Path, required=True)
-    parser.add_argument("--batch_size", type=int, default=8)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--resolution", action="store_true", help="attention resolution per layer (paper eq. 3)")
-    parser.add_argument("--passkey", action="store_true", help="passkey retrieval at several distances")
-    args = parser.parse_args(argv)
-    args.lengths = [int(x) for x in args.lengths.split(",")]
-    args.attention_modes = args.attention_modes.split(",")
-    args.protocols = tuple(args.protocols.split(","))
-    for mode in args.attention_modes:
-        if mode not in ("full", "blockwise", "sliding"):
-            parser.error(f"--attention_modes: {mode!r} is not one of full, blockwise, sliding")
-    for protocol in args.protocols:
-        if protocol not in PROTOCOLS:
-            parser.error(f"--protocols: {protocol!r} is not one of {', '.join(PROTOCOLS)}")
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    texts = read_texts(args.files)
-    rows = []
-    for path in args.model:
-        rows += evaluate_model(path, texts, args.lengths, args.attention_modes, args.device, args.batch_size,
-                               args.protocols)
-    write_results(rows, args.output_dir)
-    for protocol in args.protocols:
-        print(f"\nperplexity by evaluation length (protocol: {protocol})\n{table(rows, protocol)}")
-    if args.resolution:
-        from .resolution import resolution_report
-
-        report = resolution_report(args.model, texts, args.output_dir, args.device)
-        print("\nattention resolution (paper eq. 3), mean over layers\n" + report)
-    if args.passkey:
-        from .passkey import passkey_report
-
-        print("\npasskey retrieval\n" + passkey_report(args.model, args.output_dir, args.device))
-    print(f"\nwrote {args.output_dir}/results.csv, results.json, ppl_vs_length.png")
-    return 0
+def evaluate_model(path: str, texts: list[str], lengths: list[int], modes: list[str], **options) -> list[dict]:
+    """All rows of `evaluations` (same arguments) in one list."""
+    return [row for _, _, rows in evaluations(path, texts, lengths, modes, **options) for row in rows]

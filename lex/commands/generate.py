@@ -1,19 +1,22 @@
 """`lex generate MODEL --prompt-file FILE --max-new-tokens N`: continue a long document with the bounded cache.
 
-The prompt is prefilled window by window (with a progress bar), then generate() streams the continuation to
+generate() reads the prompt window by window (a progress bar counts it), then streams the continuation to
 stdout. In blockwise and sliding modes memory stays O(window) however long the prompt is.
 """
 
 import argparse
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
+from transformers import AutoTokenizer, TextStreamer
 
-import modeling_lex  # noqa: F401  (registers the Auto classes)
+from configuration_lex import ATTENTION_MODES
+from lex.models import DTYPES, load_model
 from modeling_lex import LexCache
 
 
@@ -27,10 +30,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=50)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--attention-mode", choices=["blockwise", "sliding", "full"],
+    parser.add_argument("--attention-mode", choices=ATTENTION_MODES,
                         help="override the model's attention_mode")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar while reading the prompt")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
@@ -40,25 +43,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-@torch.no_grad()
-def prefill(model, input_ids: torch.Tensor, cache: LexCache, progress: bool = True) -> None:
-    """Feed all but the last prompt token through the cache one window at a time; generate() reads the last."""
-    window = model.config.attention_window
-    length = input_ids.shape[1] - 1
-    with tqdm(total=length, desc="prompt", unit="tok", disable=not progress or length < 2 * window,
-              file=sys.stderr) as bar:
-        for start in range(0, length, window):
-            stop = min(start + window, length)
-            model(input_ids[:, start:stop], past_key_values=cache, use_cache=True, logits_to_keep=1)
-            bar.update(stop - start)
+@contextmanager
+def prompt_progress(model, length: int, enabled: bool) -> Iterator[None]:
+    """A bar over the prompt tokens as generate() reads them (a window per forward); new tokens are not counted."""
+    bar = tqdm(total=length, desc="prompt", unit="tok", disable=not enabled, file=sys.stderr)
+
+    def count(module, args, kwargs) -> None:
+        ids = kwargs.get("input_ids")
+        if ids is not None and bar.n < length:
+            bar.update(min(ids.shape[1], length - bar.n))
+
+    handle = model.model.register_forward_pre_hook(count, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+        bar.close()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
-    overrides = {"attention_mode": args.attention_mode} if args.attention_mode else {}
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype), **overrides)
-    model.to(args.device).eval()
+    model = load_model(args.model, args.attention_mode, args.device, args.dtype)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     text = args.prompt_file.read_text(encoding="utf-8")
     input_ids = tokenizer(text, return_tensors="pt").input_ids.to(args.device)
@@ -69,22 +75,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"prompt: {input_ids.shape[1]} tokens; {config.attention_mode} attention, window "
           f"{config.attention_window}; training length {config.max_position_embeddings}", file=sys.stderr)
     cache = LexCache(config)
-    prefill(model, input_ids, cache, progress=not args.no_progress)
+    long_prompt = input_ids.shape[1] >= 2 * config.attention_window
     start = time.perf_counter()
-    output = model.generate(
-        input_ids,
-        attention_mask=torch.ones_like(input_ids),  # the prompt has no padding, even if it holds the pad token
-        past_key_values=cache,
-        max_new_tokens=args.max_new_tokens,
-        do_sample=args.do_sample,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-        streamer=TextStreamer(tokenizer, skip_prompt=True),
-    )
+    with prompt_progress(model, input_ids.shape[1], enabled=long_prompt and not args.no_progress):
+        output = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),  # the prompt has no padding, even if it holds the pad token
+            past_key_values=cache,
+            max_new_tokens=args.max_new_tokens,
+            do_sample=args.do_sample,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+            streamer=TextStreamer(tokenizer, skip_prompt=True),
+        )
     seconds = time.perf_counter() - start
     new = output.shape[1] - input_ids.shape[1]
-    print(f"{new} tokens in {seconds:.1f} s ({new / seconds:.1f} tokens/s); the cache holds "
+    print(f"read the prompt and generated {new} tokens in {seconds:.1f} s; the cache holds "
           f"{cache.layers[0].keys.shape[2]} positions per layer", file=sys.stderr)
     return 0

@@ -1,0 +1,80 @@
+"""The package's layout: imports flow one way (model < converters < library < command lines), with no cycle,
+function-level imports included."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("configuration_lex", "modeling_lex", "convert", "lex")
+# A module may import modules of its own layer or below, never above.
+LAYERS = {"configuration_lex": 0, "modeling_lex": 1, "convert": 2, "lex": 3, "lex.metrics": 4, "lex.commands": 4,
+          "lex.cli": 5}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_modules() -> dict[str, Path]:
+    return {module_name(path): path for package in PACKAGES for path in (ROOT / package).rglob("*.py")}
+
+
+def imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """Project modules that `name` imports anywhere in its file (top level or inside functions)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            candidates = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            candidates = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found |= {candidate for candidate in candidates if candidate in modules and candidate != name}
+    return found
+
+
+def layer(name: str) -> int:
+    return max(rank for prefix, rank in LAYERS.items() if name == prefix or name.startswith(prefix + "."))
+
+
+def graph() -> dict[str, set[str]]:
+    modules = project_modules()
+    return {name: imports(name, path, modules) for name, path in modules.items()}
+
+
+def test_the_import_reader_sees_function_level_and_relative_imports():
+    edges = graph()
+    assert "lex.data" in edges["lex.perplexity"]  # from .data import ...
+    assert "lex.study" in edges["lex.commands.demo"]  # from lex import study
+    assert "modeling_lex.attention" in edges["lex.resolution"]
+    assert "lex.commands.train" not in edges["lex.cli"]  # the dispatcher imports by name, on demand
+
+
+def test_imports_flow_down_the_layers():
+    upward = [f"{name} -> {target}" for name, targets in graph().items() for target in targets
+              if layer(target) > layer(name)]
+    assert upward == []
+
+
+def test_no_import_cycle():
+    edges, state, cycles = graph(), {}, []
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = "open"
+        for target in sorted(edges[name]):
+            if state.get(target) == "open":
+                cycles.append(" -> ".join(path[path.index(target):] + [target]))
+            elif target not in state:
+                visit(target, path + [target])
+        state[name] = "done"
+
+    for name in sorted(edges):
+        if name not in state:
+            visit(name, [name])
+    assert cycles == []
