@@ -31,7 +31,8 @@ def length_table(records: list[dict], keys: tuple[str, ...] | None = None) -> st
     groups: dict[tuple, dict[int, float]] = {}
     for record in records:
         groups.setdefault(tuple(str(record.get(k, "")) for k in keys), {})[record["length"]] = record["ppl"]
-    rows = [[*group, *(f"{values[n]:.2f}" if n in values else "-" for n in lengths)] for group, values in groups.items()]
+    rows = [[*group, *(f"{values[n]:.2f}" if n in values else "-" for n in lengths)]
+            for group, values in groups.items()]
     return markdown_table([GROUP_LABELS[k] for k in keys] + [str(n) for n in lengths], rows)
 
 

@@ -233,6 +233,7 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(trained, corpus, tmp_p
     ("short_single", "fewer tokens than one block"),
     ("too_long", "exceeds"),
     ("unknown_key", "unknown LexConfig field 'hiden_size'"),
+    ("bad_value", "Field 'attention_mode' expected one of ('blockwise', 'sliding', 'full'), got dilated"),
     ("bad_tokenizer", "--tokenizer_name"),
     ("jsonl_without_text", "needs a 'text' column"),
     ("dataset_without_text", "needs a 'text' column"),
@@ -259,6 +260,8 @@ def test_bad_inputs_fail_clearly_and_keep_earlier_outputs(case, message, trained
         extra = ["--model_name_or_path", str(trained), "--block_size", "128"]
     elif case == "unknown_key":
         extra = ["--config_overrides", "hiden_size=64"]
+    elif case == "bad_value":
+        extra = ["--config_overrides", f"{TINY},attention_mode=dilated"]
     elif case == "bad_tokenizer":
         broken = tmp_path / "broken"
         broken.mkdir()
@@ -276,7 +279,7 @@ def test_bad_inputs_fail_clearly_and_keep_earlier_outputs(case, message, trained
         extra = ["--packing", "docs"]
     args = ["train", "--output_dir", str(out), "--train_files", files, "--tokenizer_name", str(trained), *BASE,
             "--max_steps", "2", *extra]
-    if case != "unknown_key" and case != "too_long":
+    if case not in ("unknown_key", "bad_value", "too_long"):
         args += ["--config_overrides", TINY]
     assert lex(args) == 2
     assert message in capsys.readouterr().err
@@ -429,3 +432,15 @@ def test_do_train_and_do_eval_as_in_run_clm(trained, corpus, tmp_path):
     results = json.loads((evaluated / "all_results.json").read_text())
     assert "perplexity" in results and "train_loss" not in results
     assert not (evaluated / "model.safetensors").exists() and not (evaluated / "train_results.json").exists()
+
+
+def test_config_overrides_are_typed_by_the_field():
+    """"none" is None only where the field may be None; position_embedding_type keeps the string "none"."""
+    from configuration_lex import LexConfig
+    from lex.training import parse_overrides
+
+    overrides = parse_overrides("position_embedding_type=none,absolute_position_embedding=none,subln=true,"
+                                "hidden_size=64,xpos_gamma=0.5")
+    assert overrides == {"position_embedding_type": "none", "absolute_position_embedding": None, "subln": True,
+                         "hidden_size": 64, "xpos_gamma": 0.5}
+    assert LexConfig(num_attention_heads=2, **overrides).position_embedding_type == "none"
