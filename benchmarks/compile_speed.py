@@ -19,8 +19,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generate_speed import Clock, build  # noqa: E402
+from common import write_output
+from generate_speed import Clock, build
+
+from configuration_lex import ATTENTION_MODES
 
 
 def train_step(args, compiled: bool) -> dict:
@@ -86,7 +88,7 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--window", type=int, default=256, help="l = w")
-    parser.add_argument("--mode", default="blockwise")
+    parser.add_argument("--mode", default="blockwise", choices=ATTENTION_MODES)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
@@ -128,8 +130,7 @@ def main(argv=None) -> int:
     flat = [r for r in decodes if r["kind"] == "lex" and r["compiled"]]
     print(f"\ncompiled LEX decode at {contexts[-1]:,} / at {contexts[0]:,}: "
           f"{flat[-1]['decode_tokens_per_s'] / lex_static_1k['decode_tokens_per_s']:.2f}")
-    if args.output:
-        args.output.write_text(json.dumps({"rows": rows, "settings": vars(args)}, indent=2, default=str))
+    write_output(args, {"rows": rows})
     return 0
 
 

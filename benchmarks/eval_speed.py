@@ -22,16 +22,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import peak_rss_mb, write_output
 
-from configuration_lex import ATTENTION_MODES  # noqa: E402
-
-
-def peak_rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+from configuration_lex import ATTENTION_MODES
 
 
 def document(tokens: int) -> torch.Tensor:
@@ -108,8 +101,7 @@ def main(argv: list[str] | None = None) -> int:
               f"| {row['tokens_per_s_vs_first']:.2f} | {row['tokens_per_cpu_s']:.0f} "
               f"| {row['tokens_per_cpu_s_vs_first']:.2f} | {row['peak_rss_mb']:.0f} | {row['peak_rss_vs_first']:.2f} "
               f"| {row['load_1min_before']:.2f}/{row['load_1min_after']:.2f} |")
-    if args.output:
-        args.output.write_text(json.dumps({"rows": rows, "settings": vars(args)}, indent=2, default=str))
+    write_output(args, {"rows": rows})
     return 0
 
 

@@ -20,16 +20,9 @@ from pathlib import Path
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import peak_rss_mb, write_output
 
-from configuration_lex import ATTENTION_MODES  # noqa: E402
-
-
-def peak_rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+from configuration_lex import ATTENTION_MODES
 
 
 class Clock(BaseStreamer):
@@ -160,8 +153,7 @@ def main(argv=None) -> int:
         print(f"goals at {last['context']} vs {lex_rows[0]['context']} tokens: speed {last['speed_vs_first']:.3f} "
               f"(>= 0.9: {last['speed_vs_first'] >= 0.9}), RSS {last['rss_vs_first']:.3f} "
               f"(<= 1.1: {last['rss_vs_first'] <= 1.1})")
-    if args.output:
-        args.output.write_text(json.dumps({"rows": rows, "settings": vars(args)}, indent=2, default=str))
+    write_output(args, {"rows": rows})
     return 0
 
 

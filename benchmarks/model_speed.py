@@ -18,14 +18,12 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from common import peak_rss_mb, write_output
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
-
-import modeling_lex  # noqa: E402,F401
-from configuration_lex import LexConfig  # noqa: E402
-from modeling_lex import LexForCausalLM  # noqa: E402
+import modeling_lex  # noqa: F401
+from configuration_lex import LexConfig
+from modeling_lex import LexForCausalLM
 
 
 def lex_model(args, kind: str, mode: str = "blockwise") -> LexForCausalLM:
@@ -68,14 +66,6 @@ def train_step_rate(model, args) -> float:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return args.steps * args.batch * args.length / (time.perf_counter() - start)
-
-
-def peak_rss_mb() -> float:
-    """This process's own peak RSS (VmHWM; getrusage's ru_maxrss would include the parent's peak at fork)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def forward_rate(args, n: int) -> dict:
@@ -143,9 +133,7 @@ def main(argv=None) -> int:
     print(f"{'n':>8}{'tokens/s':>12}{'vs first':>10}{'peak RSS MB':>13}")
     for row in lengths:
         print(f"{row['n']:>8}{row['tokens_per_s']:>12.0f}{row['rate_vs_first']:>10.3f}{row['peak_rss_mb']:>13.0f}")
-    if args.output:
-        args.output.write_text(json.dumps({"train_step": rates, "blockwise_forward": lengths, "settings": vars(args)},
-                                          indent=2, default=str))
+    write_output(args, {"train_step": rates, "blockwise_forward": lengths})
     return 0
 
 

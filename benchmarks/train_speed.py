@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from common import ROOT, write_output
 
 
 def run(processes: int, args, workdir: Path) -> dict:
@@ -62,8 +62,7 @@ def main(argv=None) -> int:
     for row in rows:
         print(f"  {row['processes']} process(es): {row['tokens_per_s']:.0f} tokens/s "
               f"({row['train_runtime_s']:.1f} s)")
-    if args.output:
-        args.output.write_text(json.dumps({"rows": rows, "settings": vars(args)}, indent=2, default=str))
+    write_output(args, {"rows": rows})
     return 0
 
 

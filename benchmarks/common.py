@@ -1,0 +1,24 @@
+"""What every benchmark script shares: the project on sys.path, peak RSS, and the JSON file it writes."""
+
+import json
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def peak_rss_mb() -> float:
+    """This process's own peak RSS (VmHWM; getrusage's ru_maxrss would include the parent's peak at fork)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def write_output(args: Namespace, results: dict) -> None:
+    """`results` and the settings that produced them, as JSON at --output (when given)."""
+    if args.output:
+        args.output.write_text(json.dumps({**results, "settings": vars(args)}, indent=2, default=str))
