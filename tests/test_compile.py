@@ -8,8 +8,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import modeling_lex  # noqa: F401
-from tests.test_generate import PAD, W, left_padded
-from tests.test_model import perturbed_model, tiny_config
+from tests.helpers import PAD, W, left_padded, perturbed_model, tiny_config
 
 
 @pytest.fixture(autouse=True)

@@ -20,12 +20,12 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from lex.cli import main as lex
+from tests.helpers import TORCHSCALE_BASE, TORCHSCALE_LENGTH, TORCHSCALE_VOCAB, perturb, torchscale_decoder
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-VOCAB, LENGTH, PAD = 61, 32, 1
-BASE = dict(decoder_embed_dim=32, decoder_attention_heads=4, decoder_ffn_embed_dim=48, decoder_layers=2,
-            vocab_size=VOCAB, xpos_rel_pos=True, max_target_positions=LENGTH)
+VOCAB, LENGTH, PAD = TORCHSCALE_VOCAB, TORCHSCALE_LENGTH, 1
+BASE = TORCHSCALE_BASE
 VARIANTS = {  # DecoderConfig keyword arguments on top of BASE, as a TorchScale user writes them
     "defaults_prenorm_subln_gelu": {},
     "prenorm_relu": dict(subln=False, activation_fn="relu"),
@@ -37,23 +37,6 @@ VARIANTS = {  # DecoderConfig keyword arguments on top of BASE, as a TorchScale 
     "xpos_scale_base_64": dict(xpos_scale_base=64),
     "no_xpos": dict(xpos_rel_pos=False),
 }
-
-
-def perturb(module: nn.Module, seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for parameter in module.parameters():
-            parameter.add_(torch.randn_like(parameter) * (0.2 if parameter.dim() > 1 else 0.3))
-    return module.eval()
-
-
-def torchscale_decoder(options: dict, seed: int):
-    from torchscale.architecture.config import DecoderConfig
-    from torchscale.architecture.decoder import Decoder
-
-    torch.manual_seed(seed)
-    args = DecoderConfig(**options)
-    return perturb(Decoder(args, embed_tokens=nn.Embedding(VOCAB, args.decoder_embed_dim)), seed)
 
 
 class FairseqSinusoidal(nn.Module):

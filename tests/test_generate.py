@@ -15,10 +15,8 @@ from transformers.testing_utils import CaptureLogger
 import modeling_lex  # noqa: F401
 from modeling_lex import LexCache
 from tests import reference
-from tests.test_model import perturbed_model, tiny_config
+from tests.helpers import PAD, W, greedy, left_padded, perturbed_model, prompt, tiny_config, word_tokenizer
 
-W = 16  # tiny_config's attention_window
-PAD = 0  # never drawn as a prompt token below, so generate() infers no padding inside prompts
 KINDS = ["xpos", "rope", "decay", "alibi", "kerple", "sandwich", "sinusoidal", "none"]
 
 
@@ -29,28 +27,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def prompt(batch: int, length: int, seed: int = 0) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(1, 97, (batch, length), generator=generator)
-
-
-def greedy(model, ids, **kwargs):
-    return model.generate(
-        ids, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=PAD, **kwargs
-    )
-
-
-def left_padded(lengths: list[int]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    rows = [prompt(1, n, seed=n)[0] for n in lengths]
-    longest = max(lengths)
-    ids = torch.full((len(rows), longest), PAD)
-    mask = torch.zeros_like(ids)
-    for i, row in enumerate(rows):
-        ids[i, longest - len(row) :] = row
-        mask[i, longest - len(row) :] = 1
-    return rows, ids, mask
 
 
 def record_cache_size(model, cache: LexCache) -> list[int]:
@@ -244,16 +220,6 @@ def test_forty_window_prompt_is_finite_in_half_precision(dtype):
 
 
 # ---------------------------------------------------------------- streaming, pipeline, CLI
-
-
-def word_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = [f"w{i}" for i in range(96)]
-    backend = Tokenizer(models.WordLevel({w: i + 1 for i, w in enumerate(words)} | {"<pad>": 0}, unk_token="<pad>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>"), words
 
 
 def test_streamer_and_pipeline():

@@ -16,30 +16,7 @@ from configuration_lex import ATTENTION_MODES, HIDDEN_ACTS, POSITION_EMBEDDING_T
 from modeling_lex import LexForCausalLM
 from modeling_lex.xpos import apply_rotary, rotary_factors
 from tests import reference
-
-
-def tiny_config(**overrides) -> LexConfig:
-    values = dict(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        max_position_embeddings=16,
-    )
-    values.update(overrides)
-    return LexConfig(**values)
-
-
-def perturbed_model(config: LexConfig, seed: int = 0) -> LexForCausalLM:
-    """A model whose every parameter (norms and biases included) is random, so no term passes by accident."""
-    torch.manual_seed(seed)
-    model = LexForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            scale = 0.15 if parameter.dim() > 1 else 0.1
-            parameter.add_(torch.randn_like(parameter) * scale)
-    return model
+from tests.helpers import packed, perturbed_model, tiny_config
 
 
 # ---------------------------------------------------------------- xPos against TorchScale 0.3.0
@@ -489,13 +466,6 @@ def test_kerple_parameters_are_learned_and_initialised_positive(tmp_path):
 
 
 # ---------------------------------------------------------------- packed documents, attention maps, 4D masks
-
-
-def packed(lengths: list[int], seed: int = 0) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """Documents of `lengths` packed into one row with position_ids restarting at each (padding-free)."""
-    generator = torch.Generator().manual_seed(seed)
-    docs = [torch.randint(0, 97, (n,), generator=generator) for n in lengths]
-    return docs, torch.cat(docs)[None], torch.cat([torch.arange(n) for n in lengths])[None]
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -337,7 +337,7 @@ def test_tokenizer_round_trips_text():
 def test_fine_tune_a_converted_torchscale_folder(trained, corpus, tmp_path, caplog):
     """A folder made by `lex convert-torchscale` fine-tunes with `lex train` (embeddings resized to the new BPE),
     and the log says that a new tokenizer is trained."""
-    from tests.test_convert import BASE as DECODER, torchscale_decoder
+    from tests.helpers import TORCHSCALE_BASE as DECODER, torchscale_decoder
 
     options = {**DECODER, "max_target_positions": 64}
     (tmp_path / "config.json").write_text(json.dumps(options))

@@ -1,0 +1,100 @@
+"""Builders the test modules share: tiny LEX configs and models, prompts, padded and packed batches, a word
+tokenizer, and TorchScale reference decoders. Test modules import from here, never from each other."""
+
+import torch
+from torch import nn
+
+import modeling_lex  # noqa: F401  (registers the Auto classes)
+from configuration_lex import LexConfig
+from modeling_lex import LexForCausalLM
+
+W = 16  # tiny_config's attention_window
+PAD = 0  # never drawn as a prompt token below, so generate() infers no padding inside prompts
+
+
+def tiny_config(**overrides) -> LexConfig:
+    values = dict(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=W,
+    )
+    values.update(overrides)
+    return LexConfig(**values)
+
+
+def perturbed_model(config: LexConfig, seed: int = 0) -> LexForCausalLM:
+    """A model whose every parameter (norms and biases included) is random, so no term passes by accident."""
+    torch.manual_seed(seed)
+    model = LexForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            scale = 0.15 if parameter.dim() > 1 else 0.1
+            parameter.add_(torch.randn_like(parameter) * scale)
+    return model
+
+
+def prompt(batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(1, 97, (batch, length), generator=generator)
+
+
+def greedy(model, ids, **kwargs):
+    return model.generate(
+        ids, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=PAD, **kwargs
+    )
+
+
+def left_padded(lengths: list[int]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    rows = [prompt(1, n, seed=n)[0] for n in lengths]
+    longest = max(lengths)
+    ids = torch.full((len(rows), longest), PAD)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, longest - len(row) :] = row
+        mask[i, longest - len(row) :] = 1
+    return rows, ids, mask
+
+
+def packed(lengths: list[int], seed: int = 0) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Documents of `lengths` packed into one row with position_ids restarting at each (padding-free)."""
+    generator = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(0, 97, (n,), generator=generator) for n in lengths]
+    return docs, torch.cat(docs)[None], torch.cat([torch.arange(n) for n in lengths])[None]
+
+
+def word_tokenizer():
+    """A 96-word WordLevel tokenizer built locally (w0 ... w95, <pad> = 0)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = [f"w{i}" for i in range(96)]
+    backend = Tokenizer(models.WordLevel({w: i + 1 for i, w in enumerate(words)} | {"<pad>": 0}, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>"), words
+
+
+# ---------------------------------------------------------------- TorchScale 0.3.0 reference decoders
+
+TORCHSCALE_VOCAB, TORCHSCALE_LENGTH = 61, 32
+TORCHSCALE_BASE = dict(decoder_embed_dim=32, decoder_attention_heads=4, decoder_ffn_embed_dim=48, decoder_layers=2,
+                       vocab_size=TORCHSCALE_VOCAB, xpos_rel_pos=True, max_target_positions=TORCHSCALE_LENGTH)
+
+
+def perturb(module: nn.Module, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.add_(torch.randn_like(parameter) * (0.2 if parameter.dim() > 1 else 0.3))
+    return module.eval()
+
+
+def torchscale_decoder(options: dict, seed: int):
+    from torchscale.architecture.config import DecoderConfig
+    from torchscale.architecture.decoder import Decoder
+
+    torch.manual_seed(seed)
+    args = DecoderConfig(**options)
+    return perturb(Decoder(args, embed_tokens=nn.Embedding(TORCHSCALE_VOCAB, args.decoder_embed_dim)), seed)
