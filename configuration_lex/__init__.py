@@ -6,10 +6,16 @@ from .configuration_lex import (
     ABSOLUTE_POSITION_EMBEDDINGS,
     ATTENTION_MODES,
     HIDDEN_ACTS,
+    MLP_TYPES,
+    NORM_TYPES,
     POSITION_EMBEDDING_TYPES,
+    ROPE_TYPES,
     LexConfig,
 )
 
 AutoConfig.register("lex", LexConfig, exist_ok=True)
 
-__all__ = ["ABSOLUTE_POSITION_EMBEDDINGS", "ATTENTION_MODES", "HIDDEN_ACTS", "POSITION_EMBEDDING_TYPES", "LexConfig"]
+__all__ = [
+    "ABSOLUTE_POSITION_EMBEDDINGS", "ATTENTION_MODES", "HIDDEN_ACTS", "MLP_TYPES", "NORM_TYPES", "POSITION_EMBEDDING_TYPES",
+    "ROPE_TYPES", "LexConfig",
+]

@@ -2,7 +2,10 @@
 
 The architecture switches (pre/post norm, subln, deepnorm, embedding layer norm and scale, activation,
 biases, an optional fairseq sinusoidal absolute embedding) are here so that every dense TorchScale
-`Decoder` language model maps onto a LexConfig without loss.
+`Decoder` language model maps onto a LexConfig without loss; the modern backbone (grouped-query attention,
+`head_dim`, RMSNorm, a gated MLP, q/k/v biases apart from the output projection's, `rope_parameters`) so that
+every Llama, Mistral and Qwen2 checkpoint does too. Names follow LlamaConfig where the concept is the same. The
+defaults are TorchScale's decoder: every config saved before these fields existed loads unchanged.
 
 Validation is transformers v5's (`@strict` from huggingface_hub, as in LlamaConfig): every field is checked on
 construction and on every later assignment against its type (the `Literal` types below list the allowed choices)
@@ -12,23 +15,33 @@ construction and `save_pretrained` runs again before writing. Errors are
 `StrictDataclassClassValidationError` (a cross-field rule), both `StrictDataclassError`; neither is a ValueError.
 
 The Literal types are the one source of the allowed values: POSITION_EMBEDDING_TYPES, ATTENTION_MODES,
-HIDDEN_ACTS and ABSOLUTE_POSITION_EMBEDDINGS are derived from them; CLI choices and converters import those.
+HIDDEN_ACTS, NORM_TYPES, MLP_TYPES, ROPE_TYPES and ABSOLUTE_POSITION_EMBEDDINGS are derived from them; CLI
+choices and converters import those.
 """
 
 from typing import Literal, get_args
 
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
+from transformers.modeling_rope_utils import RopeParameters
 from transformers.utils.type_validators import interval
 
 PositionEmbeddingType = Literal["xpos", "rope", "decay", "alibi", "kerple", "sandwich", "sinusoidal", "none"]
 AttentionMode = Literal["blockwise", "sliding", "full"]
-HiddenAct = Literal["gelu", "relu", "swish"]
+HiddenAct = Literal["gelu", "relu", "swish", "silu"]
+NormType = Literal["layernorm", "rmsnorm"]
+MlpType = Literal["fc", "gated"]
+# transformers' rope types whose frequencies do not depend on the current length: a windowed model re-encodes
+# positions inside each window, so "dynamic" (and "longrope", which switches factors by length) cannot be reproduced.
+RopeType = Literal["default", "linear", "llama3", "yarn"]
 AbsolutePositionEmbedding = Literal[None, "sinusoidal"]
 
 POSITION_EMBEDDING_TYPES: tuple[str, ...] = get_args(PositionEmbeddingType)
 ATTENTION_MODES: tuple[str, ...] = get_args(AttentionMode)
 HIDDEN_ACTS: tuple[str, ...] = get_args(HiddenAct)
+NORM_TYPES: tuple[str, ...] = get_args(NormType)
+MLP_TYPES: tuple[str, ...] = get_args(MlpType)
+ROPE_TYPES: tuple[str, ...] = get_args(RopeType)
 ABSOLUTE_POSITION_EMBEDDINGS: tuple[str | None, ...] = get_args(AbsolutePositionEmbedding)
 
 # Field validators (the type is checked first, so these see numbers only; bools are refused as numbers).
@@ -47,12 +60,26 @@ class LexConfig(PreTrainedConfig):
             attention only ever look at `attention_window` keys.
         position_embedding_type: "xpos" (default, the paper's), "rope", "decay" (xPos without rotation),
             "alibi", "kerple" (log variant, learned per head), "sandwich" (sinusoidal inner-product bias),
-            "sinusoidal" (absolute, fairseq's table added to the embeddings: the paper's "Transformer" row) or
-            "none" (no position information; TorchScale decoders without xpos).
+            "sinusoidal" (absolute, fairseq's table added to the embeddings: the paper's "Transformer" row; the
+            same as "none" with `absolute_position_embedding="sinusoidal"`, to which either spelling is brought)
+            or "none" (no position information; TorchScale decoders without xpos).
         attention_mode: "blockwise" (BCA: blocks of `attention_window // 2`, a query sees its block and
             the previous one), "sliding" (the last `attention_window` keys) or "full".
         attention_window: w; defaults to `max_position_embeddings`. Must be even and at least 4.
         xpos_scale_base: B in zeta^(n/B). xpos_gamma: gamma in zeta_i = (2i + gamma d) / ((1 + gamma) d).
+        rope_parameters: the rotation frequencies of "xpos", "rope" and "decay" (transformers v5's field):
+            `rope_theta` (default 10000; a `rope_theta=` keyword, as older configs saved it, lands here) and
+            `rope_type` "default", "linear", "llama3" or "yarn" with that type's keys; frequencies and yarn's
+            attention factor come from transformers' `ROPE_INIT_FUNCTIONS`. Length-dependent types ("dynamic",
+            "longrope") are refused.
+        num_key_value_heads: key/value heads (grouped-query attention; 1 is multi-query); default
+            `num_attention_heads`. head_dim: size of each head; default `hidden_size // num_attention_heads`.
+        norm_type: "layernorm" (TorchScale's, eps `layer_norm_eps`) or "rmsnorm" (Llama's, eps `rms_norm_eps`),
+            used by every norm of the model.
+        mlp_type: "fc" (TorchScale's fc1 -> act -> fc2) or "gated" (Llama's down_proj(act(gate_proj(x)) *
+            up_proj(x))).
+        attention_bias: biases on q/k/v projections; attention_output_bias: on the output projection (default
+            `attention_bias`; Qwen2 has q/k/v biases only). mlp_bias: biases on the MLP projections.
         normalize_before: pre-norm layers with a final layer norm (True) or post-norm (False).
         subln: TorchScale's sub-LayerNorms (on the attention output before out_proj and on the FFN
             activation before fc2).
@@ -83,9 +110,14 @@ class LexConfig(PreTrainedConfig):
     attention_window: int | None = None  # even and >= 4 once defaulted: validate_architecture
     xpos_scale_base: float | int = positive(default=512.0)
     xpos_gamma: float | int = non_negative(default=0.4)
-    rope_theta: float | int = positive(default=10000.0)
+    rope_parameters: RopeParameters | dict | None = None  # {"rope_type": "default", "rope_theta": 10000.0} once set
     sandwich_dim: int = positive(default=128)
+    num_key_value_heads: int | None = None  # num_attention_heads once defaulted
+    head_dim: int | None = None  # hidden_size // num_attention_heads once defaulted
+    norm_type: NormType = "layernorm"
     layer_norm_eps: float | int = positive(default=1e-5)
+    rms_norm_eps: float | int = positive(default=1e-6)
+    mlp_type: MlpType = "fc"
     hidden_dropout: float | int = dropout(default=0.0)
     attention_dropout: float | int = dropout(default=0.0)
     activation_dropout: float | int = dropout(default=0.0)
@@ -96,6 +128,7 @@ class LexConfig(PreTrainedConfig):
     layernorm_embedding: bool = False
     embedding_scale: float | int = positive(default=1.0)
     attention_bias: bool = True
+    attention_output_bias: bool | None = None  # attention_bias once defaulted
     mlp_bias: bool = True
     absolute_position_embedding: AbsolutePositionEmbedding = None
     absolute_position_offset: int = non_negative(default=2)
@@ -108,11 +141,19 @@ class LexConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs):
         if self.attention_window is None:
             self.attention_window = self.max_position_embeddings
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.attention_output_bias is None:
+            self.attention_output_bias = self.attention_bias
+        # One spelling of fairseq's absolute sinusoidal positions: "sinusoidal" is "none" plus the table.
+        if self.position_embedding_type == "sinusoidal":
+            self.absolute_position_embedding = "sinusoidal"
+        elif self.position_embedding_type == "none" and self.absolute_position_embedding == "sinusoidal":
+            self.position_embedding_type = "sinusoidal"
+        kwargs.setdefault("rope_theta", 10000.0)  # TorchScale's theta; the base class moves it into rope_parameters
         super().__post_init__(**kwargs)
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
 
     @property
     def bca_block_length(self) -> int:
@@ -123,28 +164,57 @@ class LexConfig(PreTrainedConfig):
     def validate_architecture(self):
         """Part of `@strict`-powered validation: the rules that tie several fields together."""
         super().validate_architecture()
-        if self.hidden_size % self.num_attention_heads:
+        if self.head_dim < 2 or self.head_dim % 2:
             raise ValueError(
-                f"LexConfig.hidden_size={self.hidden_size} must be divisible by "
-                f"num_attention_heads={self.num_attention_heads}"
-            )
-        if self.head_dim % 2:
-            raise ValueError(
-                f"LexConfig.hidden_size / num_attention_heads = {self.head_dim} (the head dim) must be even: "
+                f"LexConfig.head_dim={self.head_dim} (default hidden_size / num_attention_heads) must be even: "
                 "rotary encodings rotate pairs of dimensions"
+            )
+        if self.num_key_value_heads < 1 or self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"LexConfig.num_key_value_heads={self.num_key_value_heads} must divide num_attention_heads="
+                f"{self.num_attention_heads} (each key/value head serves a group of query heads)"
             )
         window = self.attention_window
         if window is None or window < 4 or window % 2:
             raise ValueError(f"LexConfig.attention_window={window!r} must be an even integer >= 4")
+        if (self.position_embedding_type, self.absolute_position_embedding) in (("none", "sinusoidal"),
+                                                                              ("sinusoidal", None)):
+            raise ValueError(
+                f"LexConfig.position_embedding_type={self.position_embedding_type!r} with absolute_position_embedding="
+                f"{self.absolute_position_embedding!r}: fairseq's sinusoidal table alone is position_embedding_type="
+                "'sinusoidal' with absolute_position_embedding='sinusoidal' (either one given sets the other)"
+            )
+
+    def validate_rope_type(self):
+        """Only rope types whose frequencies are fixed: a windowed model re-encodes positions in every window."""
+        rope_type = self.rope_parameters.get("rope_type", "default")
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(
+                f"LexConfig.rope_parameters['rope_type']={rope_type!r} is not supported: "
+                + ("its frequencies depend on the current length, which a windowed model cannot reproduce; "
+                   if rope_type in ("dynamic", "longrope") else "")
+                + f"allowed: {', '.join(ROPE_TYPES)}"
+            )
+        if self.rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(
+                f"LexConfig.rope_parameters['partial_rotary_factor']={self.rope_parameters['partial_rotary_factor']}"
+                " is not supported: LEX rotates every dimension of a head (allowed: 1.0)"
+            )
 
 
 __all__ = [
     "ABSOLUTE_POSITION_EMBEDDINGS",
     "ATTENTION_MODES",
     "HIDDEN_ACTS",
+    "MLP_TYPES",
+    "NORM_TYPES",
     "POSITION_EMBEDDING_TYPES",
+    "ROPE_TYPES",
     "AttentionMode",
     "HiddenAct",
     "LexConfig",
+    "MlpType",
+    "NormType",
     "PositionEmbeddingType",
+    "RopeType",
 ]

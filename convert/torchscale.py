@@ -29,8 +29,9 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from configuration_lex import HIDDEN_ACTS, LexConfig
+from configuration_lex import LexConfig
 from modeling_lex import LexForCausalLM
+from modeling_lex.positions import POSITION_METHODS
 
 from .checkpoint import ConversionError, Unresolved, load_checkpoint, resolve_interpolations
 from .staging import atomic_directory, atomic_files
@@ -57,6 +58,7 @@ FAIRSEQ_DEFAULTS = {
 }
 FAIRSEQ_PADDING_IDX = 1  # fairseq Dictionary: <s>=0, <pad>=1, </s>=2
 XPOS_GAMMA = 0.4  # TorchScale's fixed xPos gamma
+TORCHSCALE_ROPE = {"rope_type": "default", "rope_theta": 10000.0}  # fixed_pos_embedding: theta 10000, no scaling
 
 # option -> (is it in use?, what LexConfig cannot express)
 REFUSED = {
@@ -99,6 +101,7 @@ TO_TORCHSCALE = [
     (r"model\.", ""),
     (r"lm_head\.", "output_projection."),
 ]
+TORCHSCALE_ACTIVATIONS = ("relu", "gelu", "swish")  # FeedForwardNetwork's; LexConfig's "silu" is "swish"
 # Constant buffers: TorchScale's per-layer xPos scale, the LEX fork's shared one, fairseq's sinusoidal table.
 XPOS_BUFFER = re.compile(r"(layers\.\d+\.self_attn\.xpos|self_attn_xpos)\.scale")
 SINUSOIDAL_BUFFERS = ("embed_positions._float_tensor", "embed_positions.weights")
@@ -228,8 +231,9 @@ def lex_config(source: Source, attention_mode: str | None = None, special_ids: d
     if "embed_positions.weight" in state:
         raise ConversionError(f"option decoder_learned_pos (learned absolute positions: key {source.prefix}"
                               "embed_positions.weight) has no LexConfig equivalent; refusing to convert")
-    if options["activation_fn"] not in HIDDEN_ACTS:
-        raise ConversionError(f"option activation_fn={options['activation_fn']!r} is not one of {list(HIDDEN_ACTS)} "
+    if options["activation_fn"] not in TORCHSCALE_ACTIVATIONS:
+        raise ConversionError(f"option activation_fn={options['activation_fn']!r} is not one of "
+                              f"{list(TORCHSCALE_ACTIVATIONS)} "
                               "(TorchScale's FeedForwardNetwork supports only these)")
 
     absolute = None
@@ -378,13 +382,21 @@ def torchscale_options(config) -> dict:
     def refuse(field_: str, why: str):
         raise ConversionError(f"LexConfig.{field_}={getattr(config, field_)!r}: {why}")
 
-    if config.position_embedding_type not in ("xpos", "none"):
-        refuse("position_embedding_type", "TorchScale's Decoder has xPos or no relative positions, nothing else")
+    if not POSITION_METHODS[config.position_embedding_type].torchscale:
+        refuse("position_embedding_type", "TorchScale computes xPos, no relative positions, or fairseq's sinusoidal "
+                                          "table, nothing else")
     if config.position_embedding_type == "xpos" and config.xpos_gamma != XPOS_GAMMA:
         refuse("xpos_gamma", f"TorchScale's xPos fixes gamma at {XPOS_GAMMA}")
-    for field_ in ("attention_bias", "mlp_bias"):
+    if config.position_embedding_type == "xpos" and config.rope_parameters != TORCHSCALE_ROPE:
+        refuse("rope_parameters", f"TorchScale's xPos rotates with {TORCHSCALE_ROPE}")
+    for field_ in ("attention_bias", "attention_output_bias", "mlp_bias"):
         if not getattr(config, field_):
             refuse(field_, "TorchScale's projections all have biases")
+    backbone = {"norm_type": "layernorm", "mlp_type": "fc", "num_key_value_heads": config.num_attention_heads,
+                "head_dim": config.hidden_size // config.num_attention_heads}
+    for field_, value in backbone.items():
+        if getattr(config, field_) != value:
+            refuse(field_, f"TorchScale's Decoder has only {field_}={value!r}")
     scaled = math.isclose(config.embedding_scale, math.sqrt(config.hidden_size), rel_tol=1e-12)
     if config.embedding_scale != 1.0 and not scaled:
         refuse("embedding_scale", f"TorchScale scales embeddings by 1 or sqrt(hidden_size) = "
@@ -394,7 +406,8 @@ def torchscale_options(config) -> dict:
     options = {
         "decoder_embed_dim": config.hidden_size, "decoder_attention_heads": config.num_attention_heads,
         "decoder_ffn_embed_dim": config.intermediate_size, "decoder_layers": config.num_hidden_layers,
-        "decoder_normalize_before": config.normalize_before, "activation_fn": config.hidden_act,
+        "decoder_normalize_before": config.normalize_before,
+        "activation_fn": "swish" if config.hidden_act == "silu" else config.hidden_act,
         "dropout": config.hidden_dropout, "attention_dropout": config.attention_dropout,
         "activation_dropout": config.activation_dropout, "no_scale_embedding": not scaled,
         "layernorm_embedding": config.layernorm_embedding, "deepnorm": config.deepnorm, "subln": config.subln,

@@ -24,8 +24,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers.integrations.sdpa_attention import repeat_kv
 
-from .xpos import alibi_bias, apply_rotary, rotary_factors, sandwich_bias
+from .positions import PositionMethod
+from .xpos import apply_rotary
 
 
 @dataclass
@@ -131,30 +133,6 @@ def visible(config, q_index: torch.Tensor, k_index: torch.Tensor, start: torch.T
     return allowed
 
 
-def _position_terms(config, q_rel: torch.Tensor, k_rel: torch.Tensor):
-    """Rotary factors, a fixed bias, or distances for a learned bias, from relative positions of one tile."""
-    kind = config.position_embedding_type
-    factors = bias = distance = None
-    if kind in ("xpos", "rope", "decay"):
-        common = dict(
-            rotate=kind != "decay",
-            decay=kind != "rope",
-            theta=config.rope_theta,
-            gamma=config.xpos_gamma,
-            scale_base=config.xpos_scale_base,
-        )
-        cos_q, sin_q, _, _ = rotary_factors(q_rel, config.head_dim, **common)
-        _, _, cos_k, sin_k = rotary_factors(k_rel, config.head_dim, **common)
-        factors = (cos_q, sin_q, cos_k, sin_k)
-    elif kind in ("alibi", "sandwich", "kerple"):
-        distance = q_rel[..., :, None] - k_rel[..., None, :]
-        if kind == "alibi":
-            bias, distance = alibi_bias(distance, config.num_attention_heads), None
-        elif kind == "sandwich":
-            bias, distance = sandwich_bias(distance, config.num_attention_heads, config.sandwich_dim), None
-    return factors, bias, distance
-
-
 def _additive(allowed: torch.Tensor | None, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """One additive mask in the model's dtype (0 or the bias where allowed, the dtype's minimum elsewhere).
 
@@ -171,12 +149,16 @@ def _additive(allowed: torch.Tensor | None, bias: torch.Tensor | None, dtype: to
     return torch.where(allowed, base, torch.finfo(dtype).min)
 
 
-def _dense_tile(config, ctx: AttentionContext, queries: slice, keys: slice, dtype: torch.dtype, plain: bool) -> Tile:
+def _dense_tile(
+    config, positions: PositionMethod, ctx: AttentionContext, queries: slice, keys: slice, dtype: torch.dtype,
+    plain: bool,
+) -> Tile:
     anchor = ctx.query_positions[:, queries.start : queries.start + 1]
     key_valid = ctx.key_valid[:, keys]
     q_rel = ctx.query_positions[:, queries] - anchor
     k_rel = torch.where(key_valid, ctx.key_positions[:, keys], anchor) - anchor  # padding and empty slots: at 0
-    factors, bias, distance = _position_terms(config, q_rel, k_rel)
+    terms = positions.terms(q_rel, k_rel)
+    factors, bias, distance = terms.factors, terms.bias, terms.distance
     if factors is not None:
         factors = tuple(f.unsqueeze(1) for f in factors)  # broadcast over heads
     allowed = None
@@ -191,7 +173,7 @@ def _dense_tile(config, ctx: AttentionContext, queries: slice, keys: slice, dtyp
     return Tile(queries, keys, factors, _additive(allowed, bias, dtype), distance)
 
 
-def _unfolded_tile(config, ctx: AttentionContext, dtype: torch.dtype, aligned: bool) -> Tile:
+def _unfolded_tile(config, positions: PositionMethod, ctx: AttentionContext, dtype: torch.dtype, aligned: bool) -> Tile:
     """All new queries in chunks of c = w/2, each against its L + c reachable keys, as one batched call."""
     total = ctx.query_positions.shape[1]
     n_keys = ctx.key_positions.shape[1]
@@ -212,7 +194,8 @@ def _unfolded_tile(config, ctx: AttentionContext, dtype: torch.dtype, aligned: b
     anchor = q_pos[:, :, :1]
     valid = ctx.key_valid[:, slot] & exists  # (B, n_chunks, span)
     k_pos = torch.where(valid, ctx.key_positions[:, slot], anchor)
-    factors, bias, distance = _position_terms(config, q_pos - anchor, k_pos - anchor)
+    terms = positions.terms(q_pos - anchor, k_pos - anchor)
+    factors, bias, distance = terms.factors, terms.bias, terms.distance
     if factors is not None:
         factors = tuple(f.flatten(0, 1).unsqueeze(1) for f in factors)  # (B*chunks, 1, len, d)
     if bias is not None:
@@ -228,7 +211,9 @@ def _unfolded_tile(config, ctx: AttentionContext, dtype: torch.dtype, aligned: b
     return Tile(slice(0, total), None, factors, mask, distance, unfold=(chunk, left))
 
 
-def _uniform_unfolded_tile(config, ctx: AttentionContext, dtype: torch.dtype, first: int) -> Tile:
+def _uniform_unfolded_tile(
+    config, positions: PositionMethod, ctx: AttentionContext, dtype: torch.dtype, first: int
+) -> Tile:
     """Queries from `first` on, in chunks of c, when every chunk sees the same pattern: one document from stream
     index 0 with consecutive positions and no padding, chunks aligned with blocks and every reachable key present.
 
@@ -240,7 +225,8 @@ def _uniform_unfolded_tile(config, ctx: AttentionContext, dtype: torch.dtype, fi
     device = ctx.query_positions.device
     q_rel = torch.arange(chunk, device=device)[None]
     k_rel = torch.arange(-left, chunk, device=device)[None]
-    factors, bias, distance = _position_terms(config, q_rel, k_rel)
+    terms = positions.terms(q_rel, k_rel)
+    factors, bias, distance = terms.factors, terms.bias, terms.distance
     if factors is not None:
         factors = tuple(f.unsqueeze(1) for f in factors)  # (1, 1, len, d)
     q_index = first + q_rel[0, :, None]
@@ -251,7 +237,8 @@ def _uniform_unfolded_tile(config, ctx: AttentionContext, dtype: torch.dtype, fi
 
 
 def build_plan(
-    config, ctx: AttentionContext, dtype: torch.dtype, attention_maps: bool = False, aligned: bool = False
+    config, positions: PositionMethod, ctx: AttentionContext, dtype: torch.dtype, attention_maps: bool = False,
+    aligned: bool = False,
 ) -> AttentionPlan:
     """Choose the tiles for this forward. For n <= w all modes are the same computation (one causal tile).
 
@@ -264,16 +251,16 @@ def build_plan(
     window = config.attention_window
     if total <= window or attention_maps or ctx.allowed is not None:  # a 4D mask is O(T * K) already
         plain = ctx.causal_only and not attention_maps
-        tiles = [_dense_tile(config, ctx, slice(0, total), slice(0, n_keys), dtype, plain)]
+        tiles = [_dense_tile(config, positions, ctx, slice(0, total), slice(0, n_keys), dtype, plain)]
         return AttentionPlan(tiles, attention_maps)
     if config.attention_mode != "full":
         if ctx.causal_only and aligned:  # the first w queries are plainly causal, the rest share one pattern
-            first = _dense_tile(config, ctx, slice(0, window), slice(0, window), dtype, plain=True)
-            return AttentionPlan([first, _uniform_unfolded_tile(config, ctx, dtype, window)])
-        return AttentionPlan([_unfolded_tile(config, ctx, dtype, aligned)])
+            first = _dense_tile(config, positions, ctx, slice(0, window), slice(0, window), dtype, plain=True)
+            return AttentionPlan([first, _uniform_unfolded_tile(config, positions, ctx, dtype, window)])
+        return AttentionPlan([_unfolded_tile(config, positions, ctx, dtype, aligned)])
     cached = n_keys - total
     tiles = [
-        _dense_tile(config, ctx, slice(start, min(start + window, total)),
+        _dense_tile(config, positions, ctx, slice(start, min(start + window, total)),
                     slice(0, cached + min(start + window, total)), dtype, plain=False)
         for start in range(0, total, window)
     ]
@@ -291,7 +278,10 @@ def eager_attention_forward(
     position_bias: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference attention: softmax(q k^T * scaling + bias, masked) v in float32 softmax."""
+    """Reference attention: softmax(q k^T * scaling + bias, masked) v in float32 softmax; grouped key/value heads
+    are repeated for their query heads."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling
     if position_bias is not None:
         scores = scores + position_bias

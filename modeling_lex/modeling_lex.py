@@ -1,8 +1,10 @@
 """The LEX Transformer decoder (Sun et al., "A Length-Extrapolatable Transformer") for transformers v5.
 
-Reads top to bottom: feed-forward -> attention -> layer -> model -> causal-LM head. The layer math is
-TorchScale's `DecoderLayer` (pre/post norm, subln, deepnorm), so TorchScale checkpoints convert without loss;
-positions and the attention window live in `xpos.py` and `attention.py`, the bounded cache in `cache.py`.
+Reads top to bottom: norm -> feed-forward -> attention -> layer -> model -> causal-LM head. The layer math is
+TorchScale's `DecoderLayer` (pre/post norm, subln, deepnorm), so TorchScale checkpoints convert without loss,
+with the modern backbone of the Llama family beside it (grouped-query attention, RMSNorm, a gated MLP), so
+Llama, Mistral and Qwen2 checkpoints do too. Position methods live in `positions.py` (formulas in `xpos.py`),
+the attention window in `attention.py`, the bounded caches in `cache.py`.
 """
 
 import math
@@ -10,7 +12,6 @@ import math
 import torch
 from torch import nn
 from transformers import AutoModel, AutoModelForCausalLM
-from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin, MaxLengthCriteria, StoppingCriteriaList
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -33,58 +34,97 @@ from .attention import (
     run_attention,
 )
 from .cache import LexCache, LexStaticCache
-from .xpos import kerple_log_bias, sinusoidal_embedding
+from .positions import position_method
+from .xpos import sinusoidal_embedding
 
 logger = logging.get_logger(__name__)
-ACTIVATIONS = {"gelu": nn.functional.gelu, "relu": nn.functional.relu, "swish": nn.functional.silu}
+ACTIVATIONS = {
+    "gelu": nn.functional.gelu, "relu": nn.functional.relu, "swish": nn.functional.silu, "silu": nn.functional.silu,
+}
 LEX_CACHES = (LexCache, LexStaticCache)
 
 
+class LexRMSNorm(nn.Module):
+    """RMSNorm as Llama computes it: normalised in float32, cast back, then scaled by the weight."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        return self.weight * (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def make_norm(config: LexConfig, size: int) -> nn.Module:
+    """The config's norm (every norm of a model is the same kind)."""
+    if config.norm_type == "rmsnorm":
+        return LexRMSNorm(size, eps=config.rms_norm_eps)
+    return nn.LayerNorm(size, eps=config.layer_norm_eps)
+
+
 class LexMLP(nn.Module):
-    """fc1 -> activation (in float32, as TorchScale) -> [sub-LayerNorm] -> fc2."""
+    """TorchScale's fc1 -> activation (in float32) -> [sub-LayerNorm] -> fc2, or Llama's gated
+    down_proj(act(gate_proj(x)) * up_proj(x)) (activation in the input dtype, as Llama), with the sub-LayerNorm
+    before down_proj."""
 
     def __init__(self, config: LexConfig):
         super().__init__()
-        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
-        self.ffn_layernorm = (
-            nn.LayerNorm(config.intermediate_size, eps=config.layer_norm_eps) if config.subln else None
-        )
+        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gated = config.mlp_type == "gated"
+        if self.gated:
+            self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+            self.up_proj = nn.Linear(hidden, inner, bias=bias)
+            self.down_proj = nn.Linear(inner, hidden, bias=bias)
+        else:
+            self.fc1 = nn.Linear(hidden, inner, bias=bias)
+            self.fc2 = nn.Linear(inner, hidden, bias=bias)
+        self.ffn_layernorm = make_norm(config, inner) if config.subln else None
         self.act = ACTIVATIONS[config.hidden_act]
         self.activation_dropout = nn.Dropout(config.activation_dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = self.fc1(x)
-        hidden = self.activation_dropout(self.act(hidden.float()).type_as(hidden))
+        if self.gated:
+            hidden = self.activation_dropout(self.act(self.gate_proj(x)) * self.up_proj(x))
+        else:
+            hidden = self.fc1(x)
+            hidden = self.activation_dropout(self.act(hidden.float()).type_as(hidden))
         if self.ffn_layernorm is not None:
             hidden = self.ffn_layernorm(hidden)
-        return self.fc2(hidden)
+        return self.down_proj(hidden) if self.gated else self.fc2(hidden)
 
 
 class LexAttention(nn.Module):
-    """Multi-head self-attention; positions and the window come from the forward's `AttentionPlan`."""
+    """Multi-head self-attention with grouped key/value heads; positions and the window come from the forward's
+    `AttentionPlan`. Keys and values keep their `num_key_value_heads` heads (in the cache too); backends serve
+    each group of query heads from them (SDPA's `enable_gqa` where it can, `repeat_kv` otherwise)."""
 
     def __init__(self, config: LexConfig, layer_idx: int):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
+        self.num_key_value_heads = config.num_key_value_heads
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads  # read by the backends
         self.head_dim = config.head_dim
         self.scaling = self.head_dim**-0.5
         self.is_causal = True
-        size = config.hidden_size
-        self.q_proj = nn.Linear(size, size, bias=config.attention_bias)
-        self.k_proj = nn.Linear(size, size, bias=config.attention_bias)
-        self.v_proj = nn.Linear(size, size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(size, size, bias=config.attention_bias)
-        self.inner_attn_ln = nn.LayerNorm(size, eps=config.layer_norm_eps) if config.subln else None
-        if config.position_embedding_type == "kerple":
-            self.kerple_r1 = nn.Parameter(torch.empty(self.num_heads))
-            self.kerple_r2 = nn.Parameter(torch.empty(self.num_heads))
+        size, inner, kv = config.hidden_size, self.num_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        self.q_proj = nn.Linear(size, inner, bias=config.attention_bias)
+        self.k_proj = nn.Linear(size, kv, bias=config.attention_bias)
+        self.v_proj = nn.Linear(size, kv, bias=config.attention_bias)
+        self.o_proj = nn.Linear(inner, size, bias=config.attention_output_bias)
+        self.inner_attn_ln = make_norm(config, inner) if config.subln else None
+        self.positions = position_method(config)
+        self.positions.add_parameters(self)
 
     def learned_bias(self, distance: torch.Tensor) -> torch.Tensor:
-        """This layer's KERPLE bias for query-minus-key distances (tile layout)."""
-        return kerple_log_bias(distance, self.kerple_r1, self.kerple_r2)
+        """This layer's learned position bias (KERPLE) for query-minus-key distances (tile layout)."""
+        return self.positions.learned_bias(self, distance)
 
     def forward(
         self,
@@ -95,10 +135,9 @@ class LexAttention(nn.Module):
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, length, _ = hidden_states.shape
-        shape = (batch, length, self.num_heads, self.head_dim)
-        query = self.q_proj(hidden_states).view(shape).transpose(1, 2)
-        key = self.k_proj(hidden_states).view(shape).transpose(1, 2)
-        value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        query = self.q_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
+        key = self.k_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
+        value = self.v_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx, keep=cache_keep)
         dropout = self.config.attention_dropout if self.training else 0.0
@@ -120,12 +159,12 @@ class LexDecoderLayer(GradientCheckpointingLayer):
         self.normalize_before = config.normalize_before
         self.alpha = math.pow(2.0 * config.num_hidden_layers, 0.25) if config.deepnorm else 1.0
         self.self_attn = LexAttention(config, layer_idx)
-        self.self_attn_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.self_attn_layer_norm = make_norm(config, config.hidden_size)
         self.mlp = LexMLP(config)
-        self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.final_layer_norm = make_norm(config, config.hidden_size)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
-    def _residual(self, x: torch.Tensor, sublayer, norm: nn.LayerNorm, **kwargs) -> torch.Tensor:
+    def _residual(self, x: torch.Tensor, sublayer, norm: nn.Module, **kwargs) -> torch.Tensor:
         out = sublayer(norm(x) if self.normalize_before else x, **kwargs)
         if isinstance(out, tuple):
             out = out[0]
@@ -169,9 +208,8 @@ class LexPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
-        if isinstance(module, LexAttention) and hasattr(module, "kerple_r1"):
-            init.uniform_(module.kerple_r1, 0.0, 2.0)  # the KERPLE paper's initialisation
-            init.uniform_(module.kerple_r2, 0.0, 1.0)
+        if isinstance(module, LexAttention):
+            module.positions.init_parameters(module)
 
 
 class LexModel(LexPreTrainedModel):
@@ -179,12 +217,11 @@ class LexModel(LexPreTrainedModel):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
-        self.layernorm_embedding = (
-            nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if config.layernorm_embedding else None
-        )
+        self.layernorm_embedding = make_norm(config, config.hidden_size) if config.layernorm_embedding else None
         self.dropout = nn.Dropout(config.hidden_dropout)
         self.layers = nn.ModuleList([LexDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
-        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if config.normalize_before else None
+        self.norm = make_norm(config, config.hidden_size) if config.normalize_before else None
+        self.positions = position_method(config)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -292,12 +329,8 @@ class LexModel(LexPreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         hidden = inputs_embeds * self.config.embedding_scale
-        if "sinusoidal" in (self.config.absolute_position_embedding, self.config.position_embedding_type):
-            if (
-                self.config.position_embedding_type == "sinusoidal"
-                and not torch.compiler.is_compiling()
-                and positions.max() >= self.config.max_position_embeddings
-            ):
+        if self.config.absolute_position_embedding == "sinusoidal":
+            if not torch.compiler.is_compiling() and positions.max() >= self.config.max_position_embeddings:
                 logger.warning_once(
                     "sinusoidal (absolute) positions beyond the training length max_position_embeddings="
                     f"{self.config.max_position_embeddings} were never seen in training; blockwise and sliding "
@@ -339,7 +372,8 @@ class LexModel(LexPreTrainedModel):
             *reference.shape[:2], self.embed_tokens.weight.device, attention_mask, position_ids, past_key_values
         )
         maps = kwargs.get("output_attentions", self.config.output_attentions)
-        plan = build_plan(self.config, ctx, self.embed_tokens.weight.dtype, attention_maps=bool(maps), aligned=aligned)
+        plan = build_plan(self.config, self.positions, ctx, self.embed_tokens.weight.dtype, attention_maps=bool(maps),
+                          aligned=aligned)
         hidden_states = self.embed(input_ids, inputs_embeds, ctx.query_positions)
         for layer in self.layers:
             hidden_states = layer(

@@ -1,10 +1,10 @@
 """Position encodings: xPos, RoPE, decay-only (xPos without rotation), ALiBi, KERPLE, Sandwich, sinusoidal.
 
-xPos follows TorchScale's `XPOS` exactly: pairs are interleaved (dims 2i and 2i+1), theta_i = base^(-2i/d),
-zeta_i = (2i + gamma*d) / ((1+gamma)*d), queries are scaled by zeta^(m/B) and keys by zeta^(-n/B), so the score
-depends on m - n only. Callers pass positions *relative to an anchor inside the current attention window*
-(never absolute ones): angles are built in float64 and powers in float32 from integers, so the factors stay
-exact and finite at any absolute position and in any dtype.
+The formulas; `positions.py` says which method uses which. xPos follows TorchScale's `XPOS` exactly: pairs are
+interleaved (dims 2i and 2i+1), theta_i = base^(-2i/d), zeta_i = (2i + gamma*d) / ((1+gamma)*d), queries are
+scaled by zeta^(m/B) and keys by zeta^(-n/B), so the score depends on m - n only. Callers pass positions
+*relative to an anchor inside the current attention window* (never absolute ones): angles and powers are built
+in float64 from integers, so the factors stay exact and finite at any absolute position and in any dtype.
 """
 
 import math
@@ -25,34 +25,28 @@ def xpos_zeta(head_dim: int, gamma: float, device: torch.device) -> torch.Tensor
 
 def rotary_factors(
     relative_positions: torch.Tensor,
-    head_dim: int,
-    *,
-    rotate: bool,
-    decay: bool,
-    theta: float,
-    gamma: float,
-    scale_base: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-position factors (cos_q, sin_q, cos_k, sin_k), each `relative_positions.shape + (head_dim,)`, float32.
+    inverse_frequencies: torch.Tensor | None,
+    log_decay: torch.Tensor | None,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position factors (cos, sin), each `relative_positions.shape + (head_dim,)`, float32.
 
-    A query x at relative position m becomes x*cos_q + rotate_every_two(x)*sin_q; keys alike with the k factors.
-    The xPos scale zeta^(+-m/B) is folded into the factors, so applying them costs what plain RoPE costs.
+    x at relative position p becomes x*cos + rotate_every_two(x)*sin: a rotation by p*theta_i (none when
+    `inverse_frequencies` is None) scaled by exp(p * log_decay_i) (xPos: log(zeta_i)/B for queries, minus that for
+    keys; none when None) and by `scale` (yarn's attention factor). Angles and powers are taken in float64 from
+    integer positions, so the scale folded in costs nothing when applying them.
     """
     device = relative_positions.device
     positions = relative_positions.to(torch.float64)[..., None]
-    if rotate:
-        angles = positions * inverse_frequencies(head_dim, theta, device)
+    reference = inverse_frequencies if inverse_frequencies is not None else log_decay
+    if inverse_frequencies is not None:
+        angles = positions * inverse_frequencies.to(device)
         cos, sin = angles.cos(), angles.sin()
     else:
-        cos = torch.ones(positions.shape[:-1] + (head_dim // 2,), dtype=torch.float64, device=device)
+        cos = torch.ones(positions.shape[:-1] + reference.shape, dtype=torch.float64, device=device)
         sin = torch.zeros_like(cos)
-    if decay:
-        log_scale = positions * (xpos_zeta(head_dim, gamma, device).log() / scale_base)
-        q_scale, k_scale = log_scale.exp(), (-log_scale).exp()
-    else:
-        q_scale = k_scale = 1.0
-    factors = (cos * q_scale, sin * q_scale, cos * k_scale, sin * k_scale)
-    return tuple(f.to(torch.float32).repeat_interleave(2, dim=-1) for f in factors)
+    factor = (positions * log_decay.to(device)).exp() * scale if log_decay is not None else scale
+    return tuple((f * factor).to(torch.float32).repeat_interleave(2, dim=-1) for f in (cos, sin))
 
 
 def rotate_every_two(x: torch.Tensor) -> torch.Tensor:

@@ -16,19 +16,36 @@ def _rotate_every_two(x):
     return out
 
 
-def encode(x, positions, kind, theta=10000.0, gamma=0.4, scale_base=512.0, downscale=False):
+def frequencies(config):
+    """(inverse frequencies (d/2,) float64, attention factor) of config.rope_parameters: theta^(-2i/d) for the
+    default type, transformers' ROPE_INIT_FUNCTIONS for scaled ones (as HF Llama computes them)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = config.rope_parameters
+    d = config.head_dim
+    if rope["rope_type"] == "default":
+        return rope["rope_theta"] ** (-2 * torch.arange(d // 2, dtype=torch.float64) / d), 1.0
+    inv_freq, factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, torch.device("cpu"))
+    return inv_freq.double(), factor
+
+
+def encode(x, positions, kind, theta=10000.0, gamma=0.4, scale_base=512.0, downscale=False, inv_freq=None,
+           attention_factor=1.0):
     """x: (n, d) float64 at absolute integer positions (n,). xPos/RoPE/decay with interleaved pairs."""
     d = x.shape[-1]
     i = torch.arange(d // 2, dtype=torch.float64)
-    angle = positions[:, None].double() * theta ** (-2 * i / d)
+    if inv_freq is None:
+        inv_freq = theta ** (-2 * i / d)
+    angle = positions[:, None].double() * inv_freq
     zeta = (2 * i + gamma * d) / ((1 + gamma) * d)
     scale = zeta ** (positions[:, None].double() / scale_base)
     if downscale:
         scale = 1 / scale
     if kind == "rope":
         scale = torch.ones_like(scale)
-    if kind == "decay":
-        angle = torch.zeros_like(angle)
+    if kind == "decay":  # no rotation: rope_parameters (frequencies, attention factor) play no part
+        angle, attention_factor = torch.zeros_like(angle), 1.0
+    scale = scale * attention_factor
     cos = (angle.cos() * scale).repeat_interleave(2, -1)
     sin = (angle.sin() * scale).repeat_interleave(2, -1)
     return x * cos + _rotate_every_two(x) * sin
@@ -89,14 +106,22 @@ def forward(state, config, input_ids, pad=0, positions=None, maps=None, layer_sc
     layer's pre-softmax scores (heads, n, n), position terms included, before the mask."""
     sd = {k: v.double() for k, v in state.items()}
     n = input_ids.shape[0]
-    h, d = config.num_attention_heads, config.hidden_size // config.num_attention_heads
+    h, d = config.num_attention_heads, config.head_dim
+    group = h // config.num_key_value_heads  # query heads per key/value head
+    inv_freq, attention_factor = frequencies(config)
     if positions is None:
         positions = torch.clamp(torch.arange(n) - pad, min=0)
-    act = {"gelu": torch.nn.functional.gelu, "relu": torch.relu, "swish": torch.nn.functional.silu}[config.hidden_act]
-    ln = lambda x, p: torch.nn.functional.layer_norm(x, x.shape[-1:], sd[p + ".weight"], sd[p + ".bias"], config.layer_norm_eps)
+    act = {"gelu": torch.nn.functional.gelu, "relu": torch.relu, "swish": torch.nn.functional.silu,
+           "silu": torch.nn.functional.silu}[config.hidden_act]
+
+    def ln(x, p):
+        if config.norm_type == "rmsnorm":
+            return x / torch.sqrt((x * x).mean(-1, keepdim=True) + config.rms_norm_eps) * sd[p + ".weight"]
+        return torch.nn.functional.layer_norm(x, x.shape[-1:], sd[p + ".weight"], sd[p + ".bias"], config.layer_norm_eps)
+
     lin = lambda x, p: x @ sd[p + ".weight"].T + (sd[p + ".bias"] if p + ".bias" in sd else 0)
     x = sd["model.embed_tokens.weight"][input_ids] * config.embedding_scale
-    if "sinusoidal" in (config.position_embedding_type, config.absolute_position_embedding):
+    if config.absolute_position_embedding == "sinusoidal":
         x = x + fairseq_sinusoidal(positions + config.absolute_position_offset, config.hidden_size)
     if config.layernorm_embedding:
         x = ln(x, "model.layernorm_embedding")
@@ -109,12 +134,14 @@ def forward(state, config, input_ids, pad=0, positions=None, maps=None, layer_sc
         q, k, v = (lin(y, p + f"self_attn.{name}_proj") for name in "qkv")
         heads, weights, raw = [], [], []
         for head in range(h):
-            sl = slice(head * d, (head + 1) * d)
-            qh, kh, vh = q[:, sl], k[:, sl], v[:, sl]
+            sl, kv = slice(head * d, (head + 1) * d), slice((head // group) * d, (head // group + 1) * d)
+            qh, kh, vh = q[:, sl], k[:, kv], v[:, kv]
             kind = config.position_embedding_type
             if kind in ("xpos", "rope", "decay"):
-                qh = encode(qh, positions, kind, config.rope_theta, config.xpos_gamma, config.xpos_scale_base)
-                kh = encode(kh, positions, kind, config.rope_theta, config.xpos_gamma, config.xpos_scale_base, True)
+                options = dict(gamma=config.xpos_gamma, scale_base=config.xpos_scale_base, inv_freq=inv_freq,
+                               attention_factor=attention_factor)
+                qh = encode(qh, positions, kind, **options)
+                kh = encode(kh, positions, kind, downscale=True, **options)
             scores = qh @ kh.T / math.sqrt(d)
             distance = (positions[:, None] - positions[None, :]).double()
             if kind == "alibi":
@@ -141,10 +168,13 @@ def forward(state, config, input_ids, pad=0, positions=None, maps=None, layer_sc
             x = ln(x, p + "self_attn_layer_norm")
         residual = x
         y = ln(x, p + "final_layer_norm") if config.normalize_before else x
-        y = act(lin(y, p + "mlp.fc1"))
+        if config.mlp_type == "gated":
+            y = act(lin(y, p + "mlp.gate_proj")) * lin(y, p + "mlp.up_proj")
+        else:
+            y = act(lin(y, p + "mlp.fc1"))
         if config.subln:
             y = ln(y, p + "mlp.ffn_layernorm")
-        x = residual * alpha + lin(y, p + "mlp.fc2")
+        x = residual * alpha + lin(y, p + ("mlp.down_proj" if config.mlp_type == "gated" else "mlp.fc2"))
         if not config.normalize_before:
             x = ln(x, p + "final_layer_norm")
     if config.normalize_before:

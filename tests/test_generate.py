@@ -382,3 +382,42 @@ def test_attention_maps_while_generating_cover_the_held_keys():
         for layer_map in maps:
             assert layer_map.shape == (1, 2, 1, min(seen, W - 1) + 1)
             torch.testing.assert_close(layer_map.sum(-1), torch.ones(1, 2, 1))
+
+
+# ---------------------------------------------------------------- grouped key/value heads
+
+
+@pytest.mark.parametrize("mode", ["blockwise", "sliding", "full"])
+def test_caches_hold_key_value_heads(mode):
+    """A Llama-shaped model with 4 query heads and 1 key/value head: LexCache and LexStaticCache hold 1 head
+    (memory in proportion to the KV heads), and cached decoding equals the no-cache forward."""
+    config = tiny_config(attention_mode=mode, num_attention_heads=4, num_key_value_heads=1, head_dim=8,
+                         norm_type="rmsnorm", mlp_type="gated", hidden_act="silu", attention_bias=False)
+    model = perturbed_model(config)
+    _, ids, mask = left_padded([2 * W + 3, W - 3])
+    for implementation in (None, "static"):
+        out = greedy(model, ids, attention_mask=mask, max_new_tokens=2 * W, cache_implementation=implementation)
+        for layer in out.past_key_values.layers:
+            assert layer.keys.shape[:2] == (2, 1) and layer.keys.shape[-1] == 8 and layer.values.shape == layer.keys.shape
+        full_mask = torch.cat([mask, torch.ones(2, 2 * W, dtype=mask.dtype)], dim=1)
+        with torch.no_grad():
+            expected = model(out.sequences, attention_mask=full_mask).logits[:, ids.shape[1] - 1 : -1]
+        torch.testing.assert_close(torch.stack(out.logits, dim=1), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_sdpa_serves_query_groups_without_copying_keys(monkeypatch):
+    """transformers' SDPA backend repeats K/V per query head only where it must: a plain causal forward passes
+    enable_gqa and a decoding step packs the query groups; neither calls repeat_kv."""
+    from transformers.integrations import sdpa_attention
+
+    calls = []
+    original = sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda x, n: calls.append(n) or original(x, n))
+    config = tiny_config(attention_mode="full", num_attention_heads=4, num_key_value_heads=2)
+    model = perturbed_model(config)
+    model.set_attn_implementation("sdpa")
+    ids = prompt(1, 12)
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        model(prompt(1, 1, seed=4), past_key_values=out.past_key_values)
+    assert calls == []

@@ -14,7 +14,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import modeling_lex  # noqa: F401  (registers the Auto classes)
 from configuration_lex import ATTENTION_MODES, HIDDEN_ACTS, POSITION_EMBEDDING_TYPES, LexConfig
 from modeling_lex import LexForCausalLM
-from modeling_lex.xpos import apply_rotary, rotary_factors
+from modeling_lex.positions import POSITION_METHODS, position_method
+from modeling_lex.xpos import apply_rotary
 from tests import reference
 from tests.helpers import packed, perturbed_model, tiny_config
 
@@ -46,9 +47,8 @@ def test_xpos_scores_equal_torchscale(head_dim, length, offset):
     anchor = offset  # any anchor: only differences matter
     q_rel = torch.arange(offset, keys_len) - anchor
     k_rel = torch.arange(keys_len) - anchor
-    common = dict(rotate=True, decay=True, theta=1e4, gamma=0.4, scale_base=512)
-    cos_q, sin_q, _, _ = rotary_factors(q_rel, head_dim, **common)
-    _, _, cos_k, sin_k = rotary_factors(k_rel, head_dim, **common)
+    method = position_method(LexConfig(hidden_size=head_dim, num_attention_heads=1, position_embedding_type="xpos"))
+    cos_q, sin_q, cos_k, sin_k = method.terms(q_rel, k_rel).factors
     ours = apply_rotary(q, cos_q, sin_q).double() @ apply_rotary(k, cos_k, sin_k).double().transpose(1, 2)
 
     positions = torch.arange(keys_len)
@@ -84,7 +84,8 @@ def test_rope_equals_hf_rotary_up_to_pair_layout():
     q_hf, k_hf = apply_rotary_pos_emb(q[..., perm], k[..., perm], cos, sin)
     expected = q_hf @ k_hf.transpose(-1, -2)
 
-    factors = rotary_factors(positions[0], d, rotate=True, decay=False, theta=1e4, gamma=0.4, scale_base=512)
+    method = position_method(LexConfig(hidden_size=d, num_attention_heads=1, position_embedding_type="rope"))
+    factors = method.terms(positions[0], positions[0]).factors
     ours = apply_rotary(q, factors[0], factors[1]) @ apply_rotary(k, factors[2], factors[3]).transpose(-1, -2)
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-5)
 
@@ -318,6 +319,115 @@ def test_architecture_switches_match_reference(variant):
     torch.testing.assert_close(logits.double(), reference.forward(model.state_dict(), config, ids[0]), atol=1e-5, rtol=1e-5)
 
 
+# ---------------------------------------------------------------- the modern backbone (Llama, Mistral, Qwen2)
+
+LLAMA_SHAPED = dict(norm_type="rmsnorm", mlp_type="gated", hidden_act="silu", attention_bias=False, mlp_bias=False)
+BACKBONES = {
+    "llama_gqa_untied": dict(LLAMA_SHAPED, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    "mqa_head_dim_12": dict(LLAMA_SHAPED, num_attention_heads=4, num_key_value_heads=1, head_dim=12),
+    "qwen2_qkv_bias_only": dict(LLAMA_SHAPED, num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
+                                attention_output_bias=False),
+    "gated_subln_layernorm_embedding": dict(mlp_type="gated", hidden_act="silu", subln=True, norm_type="rmsnorm",
+                                            layernorm_embedding=True, num_key_value_heads=1),
+}
+ROPE_SCALINGS = {
+    "linear": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0},
+    "llama3": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8, "rope_theta": 500.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "rope_theta": 500.0},
+}
+
+
+def test_position_registry_covers_every_type():
+    from modeling_lex.positions import PositionMethod
+
+    assert tuple(POSITION_METHODS) == POSITION_EMBEDDING_TYPES
+    assert all(issubclass(method, PositionMethod) for method in POSITION_METHODS.values())
+    assert [name for name, method in POSITION_METHODS.items() if method.llama] == ["rope"]
+    assert [name for name, method in POSITION_METHODS.items() if method.torchscale] == ["xpos", "sinusoidal", "none"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind", ["xpos", "rope", "alibi", "kerple"])
+@pytest.mark.parametrize("backbone", BACKBONES)
+def test_modern_backbone_equals_reference(backbone, kind, mode):
+    """GQA/MQA, head_dim apart from hidden/heads, RMSNorm, gated SiLU MLP, q/k/v biases without the output's,
+    with every position family, in every mode past several windows, against the float64 reference."""
+    config = tiny_config(attention_mode=mode, position_embedding_type=kind, **BACKBONES[backbone])
+    model = perturbed_model(config)
+    ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(ids).logits
+    for row in range(2):
+        expected = reference.forward(model.state_dict(), config, ids[row])
+        torch.testing.assert_close(logits[row].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind", ["xpos", "rope", "decay"])
+@pytest.mark.parametrize("scaling", ROPE_SCALINGS)
+def test_rope_parameters_frequencies_equal_reference(scaling, kind, mode):
+    """rope_parameters' frequencies (and yarn's attention factor) come from transformers' ROPE_INIT_FUNCTIONS and
+    drive every rotating position type."""
+    config = tiny_config(attention_mode=mode, position_embedding_type=kind, rope_parameters=dict(ROPE_SCALINGS[scaling]),
+                         **BACKBONES["llama_gqa_untied"])
+    model = perturbed_model(config)
+    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        logits = model(ids).logits[0]
+    torch.testing.assert_close(logits.double(), reference.forward(model.state_dict(), config, ids[0]), atol=1e-5, rtol=1e-5)
+
+
+def test_yarn_attention_factor_is_applied():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = tiny_config(rope_parameters=dict(ROPE_SCALINGS["yarn"]))
+    _, factor = ROPE_INIT_FUNCTIONS["yarn"](config, torch.device("cpu"))
+    assert factor > 1.01 and position_method(config).scale == factor
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_length_dependent_rope_types_are_refused_by_name(rope_type):
+    with pytest.raises(StrictDataclassClassValidationError, match=rf"'{rope_type}'.*depend on the current length"):
+        tiny_config(rope_parameters={"rope_type": rope_type, "factor": 2.0, "short_factor": [1.0] * 8,
+                                     "long_factor": [1.0] * 8, "original_max_position_embeddings": 8})
+    with pytest.raises(StrictDataclassClassValidationError, match="partial_rotary_factor"):
+        tiny_config(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})
+
+
+def test_backbone_defaults_are_todays_model(tmp_path):
+    """A config.json saved before the backbone fields existed (rope_theta at the top level) loads as the same model:
+    no missing or unexpected weights, the same logits, and it saves rope_parameters instead."""
+    import json
+
+    config = tiny_config(position_embedding_type="kerple", attention_mode="sliding")
+    assert (config.num_key_value_heads, config.head_dim, config.norm_type, config.mlp_type) == (2, 16, "layernorm", "fc")
+    assert config.attention_output_bias is True and config.rope_parameters == {"rope_type": "default", "rope_theta": 1e4}
+    model = perturbed_model(config)
+    model.save_pretrained(tmp_path)
+    old = json.loads((tmp_path / "config.json").read_text())
+    for field in ("num_key_value_heads", "head_dim", "norm_type", "rms_norm_eps", "mlp_type", "attention_output_bias",
+                  "rope_parameters"):
+        old.pop(field)
+    old["rope_theta"] = 10000.0
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not any(info.values()), info
+    ids = torch.randint(0, 97, (1, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=0, rtol=0)
+    assert loaded.config.to_dict() == config.to_dict() | {"_name_or_path": str(tmp_path)}
+
+
+def test_sinusoidal_spellings_are_one_config():
+    """"sinusoidal" and "none" + absolute_position_embedding="sinusoidal" are the same configuration."""
+    one = tiny_config(position_embedding_type="sinusoidal")
+    other = tiny_config(position_embedding_type="none", absolute_position_embedding="sinusoidal")
+    assert one.to_dict() == other.to_dict()
+    assert (one.position_embedding_type, one.absolute_position_embedding) == ("sinusoidal", "sinusoidal")
+    assert tiny_config(position_embedding_type="xpos", absolute_position_embedding="sinusoidal").position_embedding_type == "xpos"
+
+
 # ---------------------------------------------------------------- configuration errors
 
 
@@ -437,7 +547,10 @@ def test_sinusoidal_table_is_fairseqs():
         )
 
 
-def test_sinusoidal_warns_beyond_training_length(monkeypatch):
+@pytest.mark.parametrize("spelling", [dict(position_embedding_type="sinusoidal"),
+                                      dict(position_embedding_type="none", absolute_position_embedding="sinusoidal"),
+                                      dict(position_embedding_type="xpos", absolute_position_embedding="sinusoidal")])
+def test_sinusoidal_warns_beyond_training_length(monkeypatch, spelling):
     """Absolute positions keep their meaning in every mode: beyond l they are out of distribution, and we say so."""
     from unittest import mock
 
@@ -445,7 +558,7 @@ def test_sinusoidal_warns_beyond_training_length(monkeypatch):
 
     logger = mock.Mock()
     monkeypatch.setattr(module, "logger", logger)
-    model = perturbed_model(tiny_config(position_embedding_type="sinusoidal"))
+    model = perturbed_model(tiny_config(**spelling))
     with torch.no_grad():
         model(torch.randint(0, 97, (1, 16)))
         assert not logger.warning_once.called
