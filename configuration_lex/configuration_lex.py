@@ -66,6 +66,9 @@ class LexConfig(PreTrainedConfig):
         attention_mode: "blockwise" (BCA: blocks of `attention_window // 2`, a query sees its block and
             the previous one), "sliding" (the last `attention_window` keys) or "full".
         attention_window: w; defaults to `max_position_embeddings`. Must be even and at least 4.
+        attention_sinks: S; in blockwise and sliding modes the first S tokens of each document stay visible to
+            every later query of that document, whatever the distance (StreamingLLM's attention sinks), seen at
+            their true distance. 0 (default): none. Full mode sees everything anyway.
         xpos_scale_base: B in zeta^(n/B). xpos_gamma: gamma in zeta_i = (2i + gamma d) / ((1 + gamma) d).
         rope_parameters: the rotation frequencies of "xpos", "rope" and "decay" (transformers v5's field):
             `rope_theta` (default 10000; a `rope_theta=` keyword, as older configs saved it, lands here) and
@@ -108,6 +111,7 @@ class LexConfig(PreTrainedConfig):
     position_embedding_type: PositionEmbeddingType = "xpos"
     attention_mode: AttentionMode = "blockwise"
     attention_window: int | None = None  # even and >= 4 once defaulted: validate_architecture
+    attention_sinks: int = non_negative(default=0)
     xpos_scale_base: float | int = positive(default=512.0)
     xpos_gamma: float | int = non_negative(default=0.4)
     rope_parameters: RopeParameters | dict | None = None  # {"rope_type": "default", "rope_theta": 10000.0} once set

@@ -2,7 +2,7 @@
 
 The folder holds config.json (with `auto_map`), model.safetensors (sharded above --max-shard-size),
 generation_config.json, the tokenizer when the model has one, a model card (README.md) and the model code as
-flat files (configuration_lex.py, xpos.py, attention.py, cache.py, modeling_lex.py) importing each other
+flat files (configuration_lex.py and every module of modeling_lex/) importing each other
 relatively, so that
 
     AutoModelForCausalLM.from_pretrained(OUT_DIR_or_repo, trust_remote_code=True)
@@ -17,6 +17,7 @@ From Python: `export(model_or_dir, out_dir)` then `push_to_hub(out_dir, repo_id)
 import ast
 import importlib.util
 import json
+import pkgutil
 import re
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from transformers import AutoTokenizer, PreTrainedModel
 from transformers.utils.hub import convert_file_size_to_int
 
 from convert.staging import atomic_directory
+import modeling_lex
 from modeling_lex import LexForCausalLM
 
 from .models import has_tokenizer
@@ -36,12 +38,9 @@ AUTO_MAP = {
 }
 # Every module of the two packages the remote code needs, and its flat file name. An import of any other
 # module of this project fails the export, so an edit cannot silently produce a folder that does not load.
-FLAT_MODULES = {
-    "configuration_lex.configuration_lex": "configuration_lex",
-    "modeling_lex.xpos": "xpos",
-    "modeling_lex.attention": "attention",
-    "modeling_lex.cache": "cache",
-    "modeling_lex.modeling_lex": "modeling_lex",
+# Every module of the model, as a flat file of the exported folder (a module added to modeling_lex/ comes along).
+FLAT_MODULES = {"configuration_lex.configuration_lex": "configuration_lex"} | {
+    f"modeling_lex.{info.name}": info.name for info in pkgutil.iter_modules(modeling_lex.__path__)
 }
 PROJECT_PACKAGES = ("configuration_lex", "modeling_lex", "lex", "convert")
 CARD_TAGS = ("lex", "xpos", "length-extrapolation", "custom_code")

@@ -24,16 +24,8 @@ from transformers.utils.output_capturing import capture_outputs
 
 from configuration_lex.configuration_lex import LexConfig
 
-from .attention import (
-    AttentionContext,
-    AttentionPlan,
-    StreamState,
-    build_plan,
-    document_starts,
-    eager_attention_forward,
-    run_attention,
-)
-from .cache import LexCache, LexStaticCache
+from .attention import AttentionPlan, build_plan, eager_attention_forward, run_attention
+from .cache import LEX_CACHES, LexCache, LexStaticCache, read_stream
 from .positions import position_method
 from .xpos import sinusoidal_embedding
 
@@ -41,7 +33,6 @@ logger = logging.get_logger(__name__)
 ACTIVATIONS = {
     "gelu": nn.functional.gelu, "relu": nn.functional.relu, "swish": nn.functional.silu, "silu": nn.functional.silu,
 }
-LEX_CACHES = (LexCache, LexStaticCache)
 
 
 class LexRMSNorm(nn.Module):
@@ -131,7 +122,6 @@ class LexAttention(nn.Module):
         hidden_states: torch.Tensor,
         plan: AttentionPlan,
         past_key_values: Cache | None = None,
-        cache_keep: int | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, length, _ = hidden_states.shape
@@ -139,12 +129,12 @@ class LexAttention(nn.Module):
         key = self.k_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
         value = self.v_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
         if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx, keep=cache_keep)
+            key, value = past_key_values.update(key, value, self.layer_idx)
         dropout = self.config.attention_dropout if self.training else 0.0
         interface = eager_attention_forward
         if not plan.attention_maps:  # maps come from the eager computation, whatever the backend
             interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, interface)
-        output, weights = run_attention(self, interface, query, key, value, plan, dropout)
+        output, weights = run_attention(self, interface, query, key, value, plan, dropout, **kwargs)
         output = output.reshape(batch, length, -1)
         if self.inner_attn_ln is not None:
             output = self.inner_attn_ln(output)
@@ -176,7 +166,6 @@ class LexDecoderLayer(GradientCheckpointingLayer):
         hidden_states: torch.Tensor,
         plan: AttentionPlan,
         past_key_values: Cache | None = None,
-        cache_keep: int | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         hidden_states = self._residual(
@@ -185,7 +174,6 @@ class LexDecoderLayer(GradientCheckpointingLayer):
             self.self_attn_layer_norm,
             plan=plan,
             past_key_values=past_key_values,
-            cache_keep=cache_keep,
             **kwargs,
         )
         return self._residual(hidden_states, self.mlp, self.final_layer_norm)
@@ -201,7 +189,9 @@ class LexPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flash_attn = False
     _supports_flex_attn = False
-    _supports_attention_backend = True  # padding-free (packed) batches: each position_ids restart is a document
+    # As in modeling_llama: the forward's kwargs reach the attention backend. Padding-free (packed) batches are read
+    # from position_ids restarts, which start a document that sees nothing before it.
+    _supports_attention_backend = True
     _can_compile_fullgraph = True
     _can_record_outputs = {"hidden_states": LexDecoderLayer, "attentions": LexAttention}
 
@@ -224,105 +214,6 @@ class LexModel(LexPreTrainedModel):
         self.positions = position_method(config)
         self.gradient_checkpointing = False
         self.post_init()
-
-    def _context(
-        self,
-        batch: int,
-        length: int,
-        device: torch.device,
-        attention_mask: torch.Tensor | None,
-        position_ids: torch.Tensor | None,
-        past_key_values: Cache | None,
-    ) -> tuple[AttentionContext, int | None, bool]:
-        """Positions, padding, documents and cached keys of this forward.
-
-        Returns the context, how many keys a LexCache should hold on to, and whether every row is one document
-        starting on a block boundary (blockwise chunks then need b keys of context instead of w - 1).
-        """
-        if attention_mask is not None and attention_mask.dim() == 4:
-            return self._custom_mask_context(batch, length, device, attention_mask, position_ids, past_key_values)
-        lex_cache = isinstance(past_key_values, LEX_CACHES)
-        compiling = torch.compiler.is_compiling()
-        if past_key_values is None:
-            seen = 0
-        else:
-            seen = past_key_values.seen if lex_cache else past_key_values.get_seq_length()
-        if attention_mask is not None:
-            past = attention_mask.shape[-1] - length
-            if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or (
-                not compiling and past not in (0, int(seen))
-            ):
-                raise ValueError(
-                    f"attention_mask must have shape ({batch}, {length}) or ({batch}, {int(seen) + length}) "
-                    f"(new tokens, or past and new), got {tuple(attention_mask.shape)}"
-                )
-            mask = attention_mask.to(device=device, dtype=torch.bool)
-        else:
-            past, mask = 0, torch.ones(batch, length, dtype=torch.bool, device=device)
-        new_valid = mask[:, -length:]
-        caller_plain = attention_mask is None and position_ids is None
-        if position_ids is None:
-            if attention_mask is not None and (past or past_key_values is None):
-                position_ids = (mask.long().cumsum(-1) - 1).masked_fill(~mask, 1)[:, -length:]
-            else:
-                position_ids = torch.arange(length, device=device) + seen
-        position_ids = position_ids.to(device).expand(batch, length)
-        # One document without padding: known from what the caller passed, or checked outside compilation.
-        plain = caller_plain or not compiling and bool(new_valid.all()) and bool((position_ids.diff(dim=-1) == 1).all())
-
-        if lex_cache:
-            ctx, keep = past_key_values.register_tokens(position_ids, new_valid, plain)
-        else:  # no cache, or one that holds every past key contiguously before the first new position
-            past_positions = position_ids[:, :1] - seen + torch.arange(seen, device=device)
-            past_valid = mask[:, :seen] if past else new_valid.new_ones(batch, seen)
-            key_positions = torch.cat([past_positions, position_ids], dim=1)
-            key_valid = torch.cat([past_valid, new_valid], dim=1)
-            key_index = torch.arange(seen + length, device=device)
-            starts, _ = document_starts(key_positions, key_valid, key_index, StreamState.fresh(batch, device))
-            ctx = AttentionContext(position_ids, key_positions, key_valid, key_index[seen:], key_index,
-                                   starts[:, seen:], causal_only=plain and seen == 0)
-            keep = None
-        block = self.config.attention_window // 2
-        if compiling:
-            aligned = caller_plain and past_key_values is None
-        else:
-            first = ctx.document_start[:, :1]
-            aligned = bool((ctx.document_start == first).all()) and bool(((ctx.query_index[0] - first) % block == 0).all())
-        return ctx, keep, aligned
-
-    def _custom_mask_context(
-        self,
-        batch: int,
-        length: int,
-        device: torch.device,
-        attention_mask: torch.Tensor,
-        position_ids: torch.Tensor | None,
-        past_key_values: Cache | None,
-    ) -> tuple[AttentionContext, None, bool]:
-        """A caller's own (B, 1, T, T) mask (e.g. a shared prefix with branches): it says which keys each query
-        sees, on top of causality and the window; documents are not inferred from position ids then."""
-        if past_key_values is not None and past_key_values.get_seq_length():
-            raise ValueError("a 4D attention_mask is supported on a forward without cached tokens (past_key_values)")
-        if attention_mask.shape != (batch, 1, length, length) and attention_mask.shape != (1, 1, length, length):
-            raise ValueError(
-                f"a 4D attention_mask must have shape ({batch}, 1, {length}, {length}), got {tuple(attention_mask.shape)}"
-            )
-        allowed = attention_mask.to(device).bool() if attention_mask.dtype in (torch.bool, torch.long, torch.int) else (
-            attention_mask.to(device) == 0  # additive: 0 where allowed, the dtype's minimum elsewhere
-        )
-        if position_ids is None:
-            position_ids = torch.arange(length, device=device)
-        position_ids = position_ids.to(device).expand(batch, length)
-        index = torch.arange(length, device=device)
-        valid = torch.ones(batch, length, dtype=torch.bool, device=device)
-        start = torch.zeros(batch, length, dtype=torch.long, device=device)
-        ctx = AttentionContext(
-            position_ids, position_ids, valid, index, index, start, allowed=allowed.expand(batch, -1, -1, -1)
-        )
-        keep = None
-        if isinstance(past_key_values, LEX_CACHES):  # an empty LEX cache registers the tokens as one stream
-            _, keep = past_key_values.register_tokens(position_ids, valid, plain=False)
-        return ctx, keep, False
 
     def embed(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, positions: torch.Tensor):
         """TorchScale's forward_embedding: scale, [absolute sinusoidal positions], [LayerNorm], dropout."""
@@ -368,17 +259,13 @@ class LexModel(LexPreTrainedModel):
             raise ValueError("the input is empty: input_ids/inputs_embeds must hold at least one token")
         if use_cache and past_key_values is None:
             past_key_values = LexCache(self.config)
-        ctx, keep, aligned = self._context(
-            *reference.shape[:2], self.embed_tokens.weight.device, attention_mask, position_ids, past_key_values
-        )
+        step = read_stream(self.config, *reference.shape[:2], self.embed_tokens.weight.device, attention_mask,
+                           position_ids, past_key_values)
         maps = kwargs.get("output_attentions", self.config.output_attentions)
-        plan = build_plan(self.config, self.positions, ctx, self.embed_tokens.weight.dtype, attention_maps=bool(maps),
-                          aligned=aligned)
-        hidden_states = self.embed(input_ids, inputs_embeds, ctx.query_positions)
+        plan = build_plan(self.config, self.positions, step, self.embed_tokens.weight.dtype, attention_maps=bool(maps))
+        hidden_states = self.embed(input_ids, inputs_embeds, step.context.query_positions)
         for layer in self.layers:
-            hidden_states = layer(
-                hidden_states, plan=plan, past_key_values=past_key_values, cache_keep=keep, **kwargs
-            )
+            hidden_states = layer(hidden_states, plan=plan, past_key_values=past_key_values, **kwargs)
         if self.norm is not None:
             hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
@@ -475,11 +362,9 @@ class LexForCausalLM(LexPreTrainedModel, GenerationMixin):
 
         Only the hidden states that `logits_to_keep` asks for are kept (all of them when it is 0).
         """
-        source = input_ids if input_ids is not None else inputs_embeds
-        batch, length = source.shape[:2]
-        seen = cache.get_seq_length()
-        if attention_mask is not None and attention_mask.shape[-1] == length and seen:
-            attention_mask = torch.cat([attention_mask.new_ones(batch, seen), attention_mask], dim=-1)
+        length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        if attention_mask is not None:  # the cache holds the past's padding flags: the new tokens' columns suffice
+            attention_mask = attention_mask[:, attention_mask.shape[1] - length :]
         keep_from = length - logits_to_keep if isinstance(logits_to_keep, int) and logits_to_keep > 0 else 0
         kept = []
         for start in range(0, length, self.config.attention_window):
@@ -487,7 +372,7 @@ class LexForCausalLM(LexPreTrainedModel, GenerationMixin):
             out = self.model(
                 input_ids=None if input_ids is None else input_ids[:, start:stop],
                 inputs_embeds=None if inputs_embeds is None else inputs_embeds[:, start:stop],
-                attention_mask=None if attention_mask is None else attention_mask[:, : seen + stop],
+                attention_mask=None if attention_mask is None else attention_mask[:, start:stop],
                 position_ids=None if position_ids is None else position_ids[:, start:stop],
                 past_key_values=cache,
                 use_cache=True,
@@ -511,6 +396,12 @@ class LexForCausalLM(LexPreTrainedModel, GenerationMixin):
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
         length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        if isinstance(past_key_values, LexCache) and past_key_values.stream.record_past:
+            # Only tokens whose logits this forward computes can be rejected by a later crop (the candidates
+            # generate() verifies); the cache may let the window move past the others.
+            scored = logits_to_keep if isinstance(logits_to_keep, int) and logits_to_keep > 0 else length
+            if scored < length:
+                past_key_values.mark_removable(past_key_values.seen + length - scored)
         wants_internals = kwargs.get("output_hidden_states") or kwargs.get("output_attentions")
         if isinstance(past_key_values, LEX_CACHES) and length > self.config.attention_window and not wants_internals:
             outputs = self._prefill_in_blocks(

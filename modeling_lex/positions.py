@@ -66,8 +66,9 @@ class Rotary(PositionMethod):
         if self.rotate:
             if rope["rope_type"] == "default":
                 self.inverse_frequencies = inverse_frequencies(head_dim, rope["rope_theta"], torch.device("cpu"))
-            else:  # transformers' own frequencies and attention factor, never a copy
-                frequencies, self.scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, torch.device("cpu"))
+            else:  # transformers' own frequencies and attention factor, never a copy (on the CPU, also while
+                with torch.device("cpu"):  # from_pretrained builds the model on the meta device)
+                    frequencies, self.scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, torch.device("cpu"))
                 self.inverse_frequencies = frequencies.to(torch.float64)
         self.log_decay = None
         if self.decay:

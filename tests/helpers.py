@@ -98,3 +98,34 @@ def torchscale_decoder(options: dict, seed: int):
     torch.manual_seed(seed)
     args = DecoderConfig(**options)
     return perturb(Decoder(args, embed_tokens=nn.Embedding(TORCHSCALE_VOCAB, args.decoder_embed_dim)), seed)
+
+
+# ---------------------------------------------------------------- small trained models
+
+def markov_batch(batch: int, length: int, seed: int, vocab: int = 97) -> torch.Tensor:
+    """Token sequences of a fixed random chain (token t is followed by its favourite next token 3 times in 4), so
+    that a model learns to predict well but not perfectly: drafters and prompt lookup get candidates accepted and
+    rejected, which random weights hardly ever do."""
+    table = torch.randperm(vocab - 1, generator=torch.Generator().manual_seed(1234)) + 1  # favourite next token
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.empty(batch, length, dtype=torch.long)
+    rows[:, 0] = torch.randint(1, vocab, (batch,), generator=generator)
+    for t in range(1, length):
+        noise = torch.randint(1, vocab, (batch,), generator=generator)
+        follow = torch.rand(batch, generator=generator) < 0.75
+        rows[:, t] = torch.where(follow, table[rows[:, t - 1] - 1], noise)
+    return rows
+
+
+def trained_model(config: LexConfig, steps: int = 150, seed: int = 0) -> LexForCausalLM:
+    """A tiny model trained in-test on `markov_batch` sequences of the training length (a few seconds)."""
+    torch.manual_seed(seed)
+    model = LexForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for step in range(steps):
+        ids = markov_batch(16, config.max_position_embeddings, seed=seed * 100_000 + step)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.eval()

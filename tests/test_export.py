@@ -24,7 +24,7 @@ from modeling_lex import LexForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT_ENTRIES = ("configuration_lex", "modeling_lex", "lex", "convert")
-CODE_FILES = {"configuration_lex.py", "xpos.py", "attention.py", "cache.py", "modeling_lex.py"}
+CODE_FILES = {"configuration_lex.py", "xpos.py", "positions.py", "stream.py", "attention.py", "cache.py", "modeling_lex.py"}
 TRAINING_LENGTH = 16
 
 

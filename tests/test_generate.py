@@ -34,7 +34,7 @@ def record_cache_size(model, cache: LexCache) -> list[int]:
     sizes = []
 
     def hook(module, args, output):
-        sizes.append(max(max(layer.keys.shape[2] for layer in cache.layers), cache.positions.shape[1]))
+        sizes.append(max(max(layer.keys.shape[2] for layer in cache.layers), cache.stream.positions.shape[1]))
 
     model.model.register_forward_hook(hook)
     return sizes
@@ -344,7 +344,7 @@ def test_crop_rolls_back_exactly():
         model(ids[:, : 2 * W - 2], past_key_values=plain)
         recorded.crop(-5)
         assert recorded.seen == plain.seen and recorded.held == plain.held
-        assert torch.equal(recorded.positions, plain.positions) and torch.equal(recorded.index, plain.index)
+        assert torch.equal(recorded.stream.positions, plain.stream.positions) and torch.equal(recorded.stream.index, plain.stream.index)
         following = prompt(1, 4, seed=9)
         torch.testing.assert_close(model(following, past_key_values=recorded).logits,
                                    model(following, past_key_values=plain).logits, atol=1e-5, rtol=1e-5)

@@ -378,6 +378,16 @@ def test_rope_parameters_frequencies_equal_reference(scaling, kind, mode):
     torch.testing.assert_close(logits.double(), reference.forward(model.state_dict(), config, ids[0]), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("scaling", ROPE_SCALINGS)
+def test_rope_scaled_model_reloads(tmp_path, scaling):
+    """from_pretrained builds models on the meta device: the rope frequencies must still come out real."""
+    model = perturbed_model(tiny_config(rope_parameters=dict(ROPE_SCALINGS[scaling])))
+    model.save_pretrained(tmp_path)
+    ids = torch.randint(0, 97, (1, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(tmp_path)(ids).logits, model(ids).logits)
+
+
 def test_yarn_attention_factor_is_applied():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
