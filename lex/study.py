@@ -32,7 +32,7 @@ from convert.staging import atomic_directory
 from modeling_lex import LexForCausalLM
 
 from .data import DataError, load_documents, pack, tokenize_documents, train_tokenizer
-from .models import load_model
+from .models import load_model, saved_for_generation
 from .perplexity import PROTOCOLS, evaluations
 from .report import markdown, plot_losses, plot_resolution, tables, write_results
 from .resolution import analytic_curves, resolution_rows
@@ -223,7 +223,8 @@ def study_in(work: Path, variants: list[str], settings: dict, lengths: list[int]
         began = time.perf_counter()
         trainer = trainer_for(model, blocks, folder, settings, steps, seed, device, [ProgressBar(variant)])
         trainer.train()
-        trainer.save_model()
+        with saved_for_generation(model.config):
+            trainer.save_model()
         tokenizer.save_pretrained(folder)
         trainer.save_state()
         histories[variant] = trainer.state.log_history
