@@ -5,6 +5,7 @@ from typing import Literal, get_args
 
 from configuration_lex import ATTENTION_MODES
 from convert import torchscale
+from convert.checkpoint import ConversionError
 from lex.commands import LexArgumentParser
 from lex.models import DTYPES
 
@@ -38,6 +39,9 @@ def to_torchscale_parser() -> LexArgumentParser:
 
 def main_from_torchscale(argv: list[str] | None = None) -> int:
     args = from_torchscale_parser().parse_args(argv)
+    if args.checkpoint.is_file() and args.checkpoint.stat().st_size < 64:  # a torch.save file is a zip or a pickle
+        raise ConversionError(f"CHECKPOINT {args.checkpoint}: not a checkpoint (the file holds "
+                              f"{args.checkpoint.stat().st_size} bytes)")
     config = torchscale.convert_from_torchscale(args.checkpoint, args.out_dir, args.config, args.tokenizer,
                                                 args.dtype, args.attention_mode, args.force)
     positions = config.position_embedding_type + (" + sinusoidal" if config.absolute_position_embedding else "")
