@@ -40,6 +40,13 @@ def usage() -> str:
     return "\n".join(lines)
 
 
+def close_progress_bars() -> None:
+    """End the line of a progress bar that an error interrupted, so that the error starts a line of its own."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+        bar.close()
+
+
 def one_line(error: BaseException) -> str:
     if isinstance(error, OSError) and error.strerror:
         text = f"{error.filename}: {error.strerror}" if error.filename else error.strerror
@@ -80,12 +87,15 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return function(rest) or 0
         except UsageError as error:
+            close_progress_bars()
             print(f"lex {name}: {one_line(error)} (lex {name} --help lists the arguments)", file=sys.stderr)
             raise SystemExit(2) from None  # as argparse does: a command line that does not parse exits
         except (LexError, OSError) as error:
+            close_progress_bars()
             print(f"lex {name}: {one_line(error)}", file=sys.stderr)
             return 2
         except Terminated:
+            close_progress_bars()
             print(f"lex {name}: terminated (SIGTERM)", file=sys.stderr)
             return TERMINATED
 

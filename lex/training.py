@@ -370,6 +370,8 @@ def train(model_args: ModelArguments, data_args: DataArguments, training_args: T
         # called without an active exception"), and the launcher then fails the whole run.
         trainer.accelerator.wait_for_everyone()
         trainer.accelerator.end_training()
+        logger.info("all %d processes finished; the process group is destroyed (distributed: %s)",
+                    trainer.accelerator.num_processes, dist.is_initialized())
     return metrics
 
 
