@@ -354,3 +354,30 @@ def test_readme_command_lines_parse_as_written(tmp_path, monkeypatch):
             check_arguments(model_args, data_args, training_args, output_args)
         else:
             tables[name].parse_args(args)
+
+
+def test_choice_sets_are_literal_types_and_the_flags_offer_them():
+    """PACKINGS, PROTOCOLS, DTYPES and --format's values each come from one Literal type, and the command lines
+    offer exactly those values."""
+    import typing
+
+    from lex import data, models, perplexity, training
+    from lex.commands import convert
+
+    assert data.PACKINGS == typing.get_args(data.Packing) == ("concatenate", "documents")
+    assert typing.get_type_hints(training.DataArguments)["packing"] is data.Packing
+    assert perplexity.PROTOCOLS == typing.get_args(perplexity.Protocol) == ("segments", "strided")
+    assert models.DTYPES == typing.get_args(models.Dtype)
+    assert convert.FORMATS == typing.get_args(convert.TorchScaleFormat) == ("auto", "decoder", "fairseq")
+    tables = parsers()
+
+    def choices(parser, dest):
+        (action,) = [a for a in parser._actions if a.dest == dest]
+        return tuple(action.choices) if action.choices else action.type
+
+    assert choices(tables["train"], "packing") == data.PACKINGS
+    assert choices(tables["convert-to-torchscale"], "format") == convert.FORMATS
+    assert choices(tables["generate"], "dtype") == choices(tables["convert-torchscale"], "dtype") == models.DTYPES
+    assert choices(tables["eval-length"], "protocols")(",".join(perplexity.PROTOCOLS)) == perplexity.PROTOCOLS
+    with pytest.raises(argparse.ArgumentTypeError):
+        choices(tables["eval-length"], "protocols")("segments,sliding")
