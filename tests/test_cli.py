@@ -170,8 +170,9 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(case, existing, inputs
 
     lines = [line for line in err.splitlines() if line.startswith("lex")]
     assert status == 2, err
-    assert "Traceback" not in err
+    assert "Traceback" not in err and "usage:" not in err  # no traceback, no argparse usage block
     assert len(lines) == 1 and lines[0].startswith(f"lex {args[0]}: "), err
+    assert err.rstrip().splitlines()[-1] == lines[0]  # the last thing said
     for fragment in (expected,) if isinstance(expected, str) else expected:
         assert fragment.format(**inputs) in lines[0]
     assert snapshot(tmp_path) == before  # no output folder, no staging folder, nothing changed
