@@ -151,6 +151,57 @@ def number(text: str) -> float:
     return float(text.replace(",", ""))
 
 
+def shown(value: str, expected: float, decimals: int = 2) -> bool:
+    """Whether `value`, a number as printed with `decimals`, is `expected` to its rounding."""
+    return abs(number(value) - expected) <= 0.5 * 10 ** -decimals + 1e-4 * abs(expected)
+
+
+def check_reading(reading: str, truth: dict[tuple, float], lengths: list[int], length: int, variants: list[str],
+                  resolution: list[dict]) -> None:
+    """Every number and direction word of report.md's reading against `truth`, {(model, mode, protocol, length):
+    ppl} computed by the caller; nothing of lex.report is imported or its wording re-typed beyond the sentence
+    shapes parsed here."""
+    longest = max(lengths)
+    past_l = re.findall(r"- (\w+), (\w+) attention: perplexity (rises by|falls by|stays within) ([\d.]+)% past l "
+                        r"\(([\d.]+) → ([\d.]+)\)\.", reading)
+    assert len(past_l) == len(variants) * 2
+    moves = {}
+    for model, mode, word, percent, at_l, far in past_l:
+        expected_l, expected_far = (truth[(model, mode, "segments", n)] for n in (length, longest))
+        change = expected_far / expected_l - 1
+        assert shown(at_l, expected_l) and shown(far, expected_far) and shown(percent, 100 * abs(change), 1)
+        assert word == "stays within" or (word == "rises by") == (change > 0), (model, mode, word, change)
+        moves.setdefault(word == "stays within", []).append(abs(change))
+    # "stays" is said of smaller moves than any "rises"/"falls": one threshold separates them, whatever it is
+    assert max(moves.get(True, [0])) < min(moves.get(False, [math.inf]))
+
+    bca = re.findall(r"- (\w+): ([\d.]+) with full attention, ([\d.]+) with BCA \(([+-][\d.]+)%\)\.", reading)
+    assert len(bca) == len(variants)
+    for model, full, block, percent in bca:
+        expected_full, expected_block = (truth[(model, mode, "segments", longest)] for mode in ("full", "blockwise"))
+        assert shown(full, expected_full) and shown(block, expected_block)
+        assert shown(percent, 100 * (expected_block / expected_full - 1))
+
+    best = re.findall(r"Best at (\d+) tokens \((\w+) protocol\): (\w+) with (\w+) attention, perplexity ([\d.]+)\.",
+                      reading)
+    assert [(int(n), protocol) for n, protocol, *_ in best] == [(longest, "segments"), (longest, "strided")]
+    for _, protocol, model, mode, value in best:
+        candidates = {key: v for key, v in truth.items() if key[2:] == (protocol, longest)}
+        assert min(candidates, key=candidates.get)[:2] == (model, mode) and shown(value, min(candidates.values()))
+
+    protocols = re.findall(r"- at (\d+) tokens the strided protocol is ([\d.]+)% (lower|higher)\.", reading)
+    assert [int(n) for n, *_ in protocols] == [min(lengths), length, longest]
+    for n, percent, word in protocols:
+        pairs = [(truth[(m, mode, "segments", int(n))], truth[(m, mode, "strided", int(n))])
+                 for m in variants for mode in ("full", "blockwise")]
+        mean = sum(strided / segments - 1 for segments, strided in pairs) / len(pairs)
+        assert shown(percent, 100 * abs(mean), 1) and word == ("lower" if mean < 0 else "higher")
+
+    (highest,) = re.findall(r"Highest attention resolution: (\w+) \(([\d.]+)\)\.", reading)
+    top = max(resolution, key=lambda r: r["resolution"])
+    assert highest[0] == top["model"] and shown(highest[1], top["resolution"], 4)
+
+
 @pytest.mark.slow  # `lex demo` runs or a subprocess
 def test_report_numbers_equal_perplexities_computed_independently(quick_runs):
     """Every perplexity of study.json, every cell of report.md's tables and every number of its reading, against
@@ -161,9 +212,6 @@ def test_report_numbers_equal_perplexities_computed_independently(quick_runs):
     for row in data["rows"]:
         assert row["ppl"] == pytest.approx(truth[(row["model"], row["attention_mode"], row["protocol"],
                                                   row["length"])], rel=1e-4), row
-
-    def shown(value: str, expected: float, decimals: int = 2) -> bool:  # a number as printed, to its rounding
-        return abs(number(value) - expected) <= 0.5 * 10 ** -decimals + 1e-4 * abs(expected)
 
     tables = markdown_tables(text)
     checked = 0
@@ -182,47 +230,30 @@ def test_report_numbers_equal_perplexities_computed_independently(quick_runs):
     assert settings == {**{k: str(v) for k, v in data["settings"].items()}, "seed": str(data["seed"])}
 
     reading = text.split("## Reading")[1].split("\n## ")[0]
-    length, longest = data["settings"]["length"], max(data["lengths"])
-    past_l = re.findall(r"- (\w+), (\w+) attention: perplexity (rises by|falls by|stays within) ([\d.]+)% past l "
-                        r"\(([\d.]+) → ([\d.]+)\)\.", reading)
-    assert len(past_l) == 3 * 2
-    moves = {}
-    for model, mode, word, percent, at_l, far in past_l:
-        expected_l, expected_far = (truth[(model, mode, "segments", n)] for n in (length, longest))
-        change = expected_far / expected_l - 1
-        assert shown(at_l, expected_l) and shown(far, expected_far) and shown(percent, 100 * abs(change), 1)
-        assert word == "stays within" or (word == "rises by") == (change > 0), (model, mode, word, change)
-        moves.setdefault(word == "stays within", []).append(abs(change))
-    # "stays" is said of smaller moves than any "rises"/"falls": one threshold separates them, whatever it is
-    assert max(moves.get(True, [0])) < min(moves.get(False, [math.inf]))
-
-    bca = re.findall(r"- (\w+): ([\d.]+) with full attention, ([\d.]+) with BCA \(([+-][\d.]+)%\)\.", reading)
-    assert len(bca) == 3
-    for model, full, block, percent in bca:
-        expected_full, expected_block = (truth[(model, mode, "segments", longest)] for mode in ("full", "blockwise"))
-        assert shown(full, expected_full) and shown(block, expected_block)
-        assert shown(percent, 100 * (expected_block / expected_full - 1))
-
-    best = re.findall(r"Best at (\d+) tokens \((\w+) protocol\): (\w+) with (\w+) attention, perplexity ([\d.]+)\.",
-                      reading)
-    assert [(int(n), protocol) for n, protocol, *_ in best] == [(longest, "segments"), (longest, "strided")]
-    for _, protocol, model, mode, value in best:
-        candidates = {key: v for key, v in truth.items() if key[2:] == (protocol, longest)}
-        assert min(candidates, key=candidates.get)[:2] == (model, mode) and shown(value, min(candidates.values()))
-
-    protocols = re.findall(r"- at (\d+) tokens the strided protocol is ([\d.]+)% (lower|higher)\.", reading)
-    assert [int(n) for n, *_ in protocols] == [min(data["lengths"]), length, longest]
-    for n, percent, word in protocols:
-        pairs = [(truth[(m, mode, "segments", int(n))], truth[(m, mode, "strided", int(n))])
-                 for m in data["variants"] for mode in ("full", "blockwise")]
-        mean = sum(strided / segments - 1 for segments, strided in pairs) / len(pairs)
-        assert shown(percent, 100 * abs(mean), 1) and word == ("lower" if mean < 0 else "higher")
-
-    (highest,) = re.findall(r"Highest attention resolution: (\w+) \(([\d.]+)\)\.", reading)
-    top = max(data["resolution"], key=lambda r: r["resolution"])
-    assert highest[0] == top["model"] and shown(highest[1], top["resolution"], 4)
+    check_reading(reading, truth, data["lengths"], data["settings"]["length"], data["variants"], data["resolution"])
     for image in ("ppl_vs_length.png", "loss.png", "resolution.png"):
         assert f"]({image})" in text and (folder / image).stat().st_size > 0
+
+
+def test_reading_of_rows_whose_numbers_are_known():
+    """The reading of made-up rows with large moves (rises, falls, stays), checked against those numbers: the
+    quick study's models move too little past l to exercise every word."""
+    from lex.report import reading
+
+    lengths, variants = [16, 64, 1024], ["xpos", "rope"]
+    at = {("xpos", "full"): (60.0, 50.0, 45.0), ("xpos", "blockwise"): (60.0, 50.0, 49.0),
+          ("rope", "full"): (61.0, 51.0, 80.0), ("rope", "blockwise"): (61.0, 51.0, 40.0)}
+    truth = {}
+    for (model, mode), values in at.items():
+        for n, value in zip(lengths, values):
+            truth[(model, mode, "segments", n)] = value
+            truth[(model, mode, "strided", n)] = value * (0.9 if n == 16 else 1.02)
+    rows = [{"model": m, "attention_mode": mode, "protocol": p, "length": n, "ppl": v}
+            for (m, mode, p, n), v in truth.items()]
+    resolution = [{"model": "xpos", "resolution": 0.25}, {"model": "rope", "resolution": 0.125}]
+    text = "\n".join(reading(rows, resolution, 64))
+    check_reading(text, truth, lengths, 64, variants, resolution)
+    assert {"rises by", "falls by", "stays within"} <= set(re.findall(r"(rises by|falls by|stays within)", text))
 
 
 @pytest.mark.slow  # `lex demo` runs or a subprocess
