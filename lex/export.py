@@ -1,6 +1,6 @@
-"""A Hub-ready folder of a LEX model, and its upload (`lex export MODEL_DIR OUT_DIR [--push-to-hub REPO_ID]`).
+"""A Hub-ready folder of a LEX model, and its upload (`lex export MODEL_DIR OUT_DIR [--push_to_hub REPO_ID]`).
 
-The folder holds config.json (with `auto_map`), model.safetensors (sharded above --max-shard-size),
+The folder holds config.json (with `auto_map`), model.safetensors (sharded above --max_shard_size),
 generation_config.json, the tokenizer when the model has one, a model card (README.md) and the model code as
 flat files (configuration_lex.py and every module of modeling_lex/) importing each other
 relatively, so that
@@ -8,8 +8,8 @@ relatively, so that
     AutoModelForCausalLM.from_pretrained(OUT_DIR_or_repo, trust_remote_code=True)
 
 works where this package is not installed. The folder is written to a temporary sibling and moved into place
-only when complete; exporting twice gives identical files. --push-to-hub then uploads exactly that folder as
-one commit (files in the repository that the folder lacks are deleted; --dry-run only lists the commit).
+only when complete; exporting twice gives identical files. --push_to_hub then uploads exactly that folder as
+one commit (files in the repository that the folder lacks are deleted; --dry_run only lists the commit).
 
 From Python: `export(model_or_dir, out_dir)` then `push_to_hub(out_dir, repo_id)`.
 """
@@ -24,11 +24,12 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedModel
 from transformers.utils.hub import convert_file_size_to_int
 
+from convert.errors import LexError
 from convert.staging import atomic_directory
 import modeling_lex
 from modeling_lex import LexForCausalLM
 
-from .models import has_tokenizer
+from .models import has_tokenizer, model_config, saved_for_generation
 from .report import length_table, markdown_table
 
 AUTO_MAP = {
@@ -47,7 +48,7 @@ CARD_TAGS = ("lex", "xpos", "length-extrapolation", "custom_code")
 LICENSE_ID = re.compile(r"^[a-z0-9][a-z0-9.+-]*$")
 
 
-class ExportError(ValueError):
+class ExportError(LexError):
     """A model, folder or option that cannot be exported; raised before OUT_DIR is touched."""
 
 
@@ -192,13 +193,13 @@ def export(model, out_dir: str | Path, *, tokenizer=None, results: str | Path | 
     try:
         convert_file_size_to_int(max_shard_size)
     except ValueError as error:
-        raise ExportError(f"--max-shard-size {max_shard_size!r}: use bytes or a size such as 500MB or 5GB") from error
+        raise ExportError(f"--max_shard_size {max_shard_size!r}: use bytes or a size such as 500MB or 5GB") from error
     model_dir = None
     if not isinstance(model, PreTrainedModel):
         model_dir = Path(model).resolve()
         if _is_within(model_dir, out_dir):
             raise ExportError(f"OUT_DIR {out_dir} would replace the model folder {model_dir}; choose another")
-        model_type = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("model_type")
+        model_type = model_config(model_dir, "MODEL_DIR").model_type
         if model_type != "lex":
             raise ExportError(f"{model_dir} holds a {model_type!r} model; lex export writes LEX models only")
         model = LexForCausalLM.from_pretrained(model_dir)
@@ -217,7 +218,7 @@ def export(model, out_dir: str | Path, *, tokenizer=None, results: str | Path | 
     previous_auto_map = getattr(model.config, "auto_map", None)
     model.config.auto_map = dict(AUTO_MAP)
     try:
-        with atomic_directory(out_dir, force) as staging:
+        with saved_for_generation(model.config), atomic_directory(out_dir, force) as staging:
             model.save_pretrained(staging, max_shard_size=max_shard_size)
             for name, text in sources.items():
                 (staging / name).write_text(text, encoding="utf-8")
@@ -245,7 +246,7 @@ def push_to_hub(folder: str | Path, repo_id: str, *, private: bool = False, dry_
     try:
         validate_repo_id(repo_id)
     except HFValidationError as error:
-        raise ExportError(f"--push-to-hub {repo_id!r}: {error}") from error
+        raise ExportError(f"--push_to_hub {repo_id!r}: {error}") from error
     folder = Path(folder)
     files = folder_files(folder)
     if "config.json" not in files or "README.md" not in files:

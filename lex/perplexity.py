@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 import torch
 from torch import nn
@@ -21,10 +22,12 @@ from transformers import AutoTokenizer
 
 from modeling_lex import LexCache, LexForCausalLM
 
-from .data import tokenized_documents
+from .data import DataError, tokenized_documents
 from .models import load_model
 
-PROTOCOLS = ("segments", "strided")
+# The two ways to score a length (module docstring): the one source of the choices.
+Protocol = Literal["segments", "strided"]
+PROTOCOLS: tuple[str, ...] = get_args(Protocol)
 
 
 @dataclass
@@ -83,7 +86,7 @@ def _window_nll(model, ids: torch.Tensor, score_from: int, bar: tqdm) -> tuple[f
     return nll, batch * (length - 1 - score_from)
 
 
-def windows(document: torch.Tensor, length: int, protocol: str) -> list[tuple[int, int, int]]:
+def windows(document: torch.Tensor, length: int, protocol: Protocol) -> list[tuple[int, int, int]]:
     """(start, stop, score_from) of each window over one document: the tokens it reads, and that it scores
     the tokens after window position `score_from` (each token of the document at most once)."""
     if protocol == "segments":
@@ -99,7 +102,8 @@ def windows(document: torch.Tensor, length: int, protocol: str) -> list[tuple[in
 
 
 def perplexity_by_length(
-    model, documents: list[torch.Tensor], lengths: list[int], protocol: str, batch_size: int = 8, progress: bool = False
+    model, documents: list[torch.Tensor], lengths: list[int], protocol: Protocol, batch_size: int = 8,
+    progress: bool = False,
 ) -> dict[int, Score]:
     """Score every length on the same tokens: each document's first max(lengths) tokens.
 
@@ -109,11 +113,12 @@ def perplexity_by_length(
     tokens it scores.
     """
     if protocol not in PROTOCOLS:
-        raise ValueError(f"protocol={protocol!r} is not one of {list(PROTOCOLS)}")
+        raise DataError(f"protocol={protocol!r} is not one of {list(PROTOCOLS)}")
     budget = max(lengths)
     documents = [d[:budget] for d in documents if len(d) >= budget]
     if not documents:
-        raise ValueError(f"no evaluation document holds {budget} tokens (the longest length asked for)")
+        raise DataError(f"no evaluation document holds {budget} tokens (the longest length asked for); "
+                        "give shorter lengths or longer documents")
     plan = []  # (length, score_from, rows of one shape) per forward
     for length in lengths:
         by_shape: dict[tuple[int, int], list[torch.Tensor]] = {}
@@ -134,7 +139,7 @@ def perplexity_by_length(
 
 def evaluations(
     path: str, texts: list[str], lengths: list[int], modes: list[str], device: str = "cpu", batch_size: int = 8,
-    protocols: tuple[str, ...] = PROTOCOLS, progress: bool = True, label: str | None = None,
+    protocols: tuple[Protocol, ...] = PROTOCOLS, progress: bool = True, label: str | None = None,
 ) -> Iterator[tuple[str, str, list[dict]]]:
     """(mode, protocol, rows) for one model folder, one attention mode loaded at a time: rows of
     {model, attention_mode, protocol, length, training_length, ppl, tokens}."""

@@ -31,8 +31,8 @@ from configuration_lex import POSITION_EMBEDDING_TYPES, LexConfig
 from convert.staging import atomic_directory
 from modeling_lex import LexForCausalLM
 
-from .data import DataError, load_documents, pack, tokenize_documents, train_tokenizer
-from .models import load_model
+from .data import DataError, check_text_file, expand_globs, load_documents, pack, tokenize_documents, train_tokenizer
+from .models import load_model, saved_for_generation
 from .perplexity import PROTOCOLS, evaluations
 from .report import markdown, plot_losses, plot_resolution, tables, write_results
 from .resolution import analytic_curves, resolution_rows
@@ -150,6 +150,16 @@ def evaluate_with_progress(folder: Path, name: str, texts: list[str], lengths: l
     return rows
 
 
+def check_corpus(corpus: Path | None) -> None:
+    """--corpus: a folder of UTF-8 text files (checked before the study's work folder is made)."""
+    if corpus is None:
+        return
+    if not Path(corpus).is_dir():
+        raise DataError(f"--corpus {corpus}: not a folder (one text file per document)")
+    for file in expand_globs(str(corpus), "--corpus"):
+        check_text_file(file, "--corpus")
+
+
 def check_output(output_dir: Path) -> None:
     """An existing --output_dir is replaced only if it is a previous study (it holds study.json)."""
     if output_dir.exists() and any(output_dir.iterdir()) and not (output_dir / "study.json").exists():
@@ -176,6 +186,7 @@ def run_study(output_dir: Path, variants: tuple[str, ...] = DEFAULT_VARIANTS, qu
     lengths = [length // 4, length // 2, length, 2 * length, 4 * length, 8 * length, 16 * length]
     at_start = machine(device)
     check_output(output_dir)
+    check_corpus(corpus)
     with atomic_directory(output_dir, force=True) as work:
         study = study_in(work, list(variants), settings, lengths, corpus, minutes, device, seed, at_start, started)
     print(f"\nwrote {output_dir}/ in {study['seconds'] / 60:.1f} minutes:\n"
@@ -223,7 +234,8 @@ def study_in(work: Path, variants: list[str], settings: dict, lengths: list[int]
         began = time.perf_counter()
         trainer = trainer_for(model, blocks, folder, settings, steps, seed, device, [ProgressBar(variant)])
         trainer.train()
-        trainer.save_model()
+        with saved_for_generation(model.config):
+            trainer.save_model()
         tokenizer.save_pretrained(folder)
         trainer.save_state()
         histories[variant] = trainer.state.log_history

@@ -2,12 +2,16 @@
 
 Model, data and tokenizer arguments follow examples/pytorch/language-modeling/run_clm.py; every
 TrainingArguments flag passes through. Inputs are checked before anything is written to --output_dir, and the
-final model is written by every rank together (`save_full_model`), whatever the parallelism.
+final model is written by every rank together (`save_full_model`), whatever the parallelism. As in run_clm, an
+--output_dir holding checkpoint-* folders resumes from the last complete one (so a preempted job is resumed by
+running the same command again), and a non-empty one without checkpoints is refused unless
+--overwrite_output_dir. A distributed run ends by destroying its process group after a final barrier.
 """
 
 import logging
 import math
 import os
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +24,6 @@ from accelerate.utils import extract_model_from_parallel
 from huggingface_hub.errors import StrictDataclassError
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import (
-    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     Trainer,
@@ -28,13 +31,14 @@ from transformers import (
     default_data_collator,
     set_seed,
 )
+from transformers.trainer_utils import get_last_checkpoint
 
 import modeling_lex  # noqa: F401  (registers the Auto classes)
 from configuration_lex import LexConfig
-from convert.staging import atomic_files
+from convert.staging import atomic_files, is_staging
 
-from .data import DataError, load_documents, pack, split_tail, tokenize_documents, train_tokenizer
-from .models import has_tokenizer
+from .data import DataError, Packing, load_documents, pack, split_tail, tokenize_documents, train_tokenizer
+from .models import has_tokenizer, model_config, saved_for_generation
 from .report import plot_losses
 
 logger = logging.getLogger(__name__)
@@ -70,10 +74,21 @@ class DataArguments:
                           "document (one .txt), percent of its token stream taken from the end"},
     )
     preprocessing_num_workers: int | None = field(default=None)
-    packing: str = field(
+    packing: Packing = field(
         default="concatenate",
         metadata={"help": "concatenate (run_clm's blocks) or documents: blocks whose documents do not attend to "
                           "each other (position_ids restart at each document)"},
+    )
+
+
+@dataclass
+class OutputArguments:
+    """run_clm's --overwrite_output_dir, which TrainingArguments no longer has (transformers 5)."""
+
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "train into a non-empty --output_dir, ignoring its checkpoint-* folders (default: resume "
+                          "from the last checkpoint, refuse a non-empty folder without one)"},
     )
 
 
@@ -107,10 +122,24 @@ def parse_overrides(text: str | None) -> dict:
     return overrides
 
 
+def check_model_arguments(model_args: ModelArguments, block_size: int) -> None:
+    """What can be refused from the flags alone, before any data is read."""
+    if model_args.model_name_or_path and model_args.config_overrides:
+        raise DataError("--config_overrides builds a new model and cannot be combined with --model_name_or_path "
+                        "(run_clm refuses the pair too): drop one")
+    if block_size < 2:
+        raise DataError(f"--block_size must be >= 2, got {block_size}")
+    if model_args.model_name_or_path:
+        model_config(model_args.model_name_or_path, "--model_name_or_path")
+    elif block_size % 2 and "attention_window" not in parse_overrides(model_args.config_overrides):
+        raise DataError(f"--block_size {block_size} must be even: a new model's attention window is the training "
+                        "length, cut into blocks of half of it (or set attention_window in --config_overrides)")
+
+
 def build_model(model_args: ModelArguments, block_size: int, tokenizer):
     """Fine-tune a folder, or build a new LexConfig at the training length from the overrides."""
     if model_args.model_name_or_path:
-        config = AutoConfig.from_pretrained(model_args.model_name_or_path)
+        config = model_config(model_args.model_name_or_path, "--model_name_or_path")
         window = getattr(config, "attention_window", None) or config.max_position_embeddings
         if block_size > window:
             raise DataError(
@@ -129,7 +158,7 @@ def build_model(model_args: ModelArguments, block_size: int, tokenizer):
     overrides.setdefault("pad_token_id", tokenizer.pad_token_id)
     try:
         config = LexConfig(**overrides)
-    except StrictDataclassError as error:
+    except (StrictDataclassError, ValueError) as error:  # a field's type or choice, or a class validator
         raise DataError(f"--config_overrides: {error}") from None
     if block_size > config.attention_window:
         raise DataError(f"--block_size {block_size} exceeds attention_window {config.attention_window}")
@@ -143,14 +172,17 @@ def named_tokenizer(source: str, flag: str):
         raise DataError(f"{flag} {source}: cannot load a tokenizer ({error})") from None
 
 
-def load_tokenizer(model_args: ModelArguments, documents):
-    """The named tokenizer, else the fine-tuned model's, else a byte-level BPE trained on the training documents.
+def load_tokenizer(model_args: ModelArguments, documents, checkpoint: str | None = None):
+    """The named tokenizer, else that of the checkpoint training resumes from, else the fine-tuned model's, else a
+    byte-level BPE trained on the training documents.
 
     A tokenizer that is there but does not load is an error, never a silent switch to a new BPE; only a model
     folder without any tokenizer file (a converted checkpoint) gets a new one, with a warning.
     """
     if model_args.tokenizer_name:
         return named_tokenizer(model_args.tokenizer_name, "--tokenizer_name")
+    if checkpoint and has_tokenizer(checkpoint):
+        return named_tokenizer(checkpoint, "the checkpoint")
     source = model_args.model_name_or_path
     if source:
         if not Path(source).is_dir() or has_tokenizer(source):
@@ -186,19 +218,60 @@ def check_launch(training_args: TrainingArguments) -> None:
         )
 
 
+def last_complete_checkpoint(output_dir: str | Path) -> str | None:
+    """transformers' get_last_checkpoint, passing over a checkpoint that a kill cut short: the Trainer writes
+    trainer_state.json last, so a checkpoint without it is incomplete and the one before it is used."""
+    last = get_last_checkpoint(str(output_dir))
+    if last is None or (Path(last) / "trainer_state.json").is_file():
+        return last
+    complete = [p for p in Path(output_dir).iterdir() if re.fullmatch(r"checkpoint-\d+", p.name) and p.is_dir()
+                and (p / "trainer_state.json").is_file()]
+    logger.warning("%s has no trainer_state.json (the run was killed while saving it): not resuming from it", last)
+    return str(max(complete, key=lambda p: int(p.name.split("-")[1]))) if complete else None
+
+
+def resume_checkpoint(training_args: TrainingArguments, output_args: OutputArguments, do_train: bool) -> str | None:
+    """The checkpoint training resumes from, as run_clm decides it; refuses what it would overwrite.
+
+    --resume_from_checkpoint names one; otherwise, when training into an existing --output_dir: its last complete
+    checkpoint-*, or, if it has none, an error unless it is empty or --overwrite_output_dir is given. Staging
+    folders (convert.staging) do not count: they are never part of an output.
+    """
+    if not do_train:
+        return None
+    named = training_args.resume_from_checkpoint
+    if named:
+        if not Path(named).is_dir():
+            raise DataError(f"--resume_from_checkpoint {named}: no such checkpoint folder")
+        return named
+    output_dir = Path(training_args.output_dir)
+    if output_args.overwrite_output_dir or not output_dir.is_dir():
+        return None
+    last = last_complete_checkpoint(output_dir)
+    if last is not None:
+        return last
+    found = sorted(p.name for p in output_dir.iterdir() if not is_staging(p.name))
+    if found:
+        shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        raise DataError(f"--output_dir {output_dir} is not empty ({shown}) and holds no checkpoint-* to resume "
+                        "from; pass --overwrite_output_dir to train into it anyway, or name a new folder")
+    return None
+
+
 def save_full_model(model: torch.nn.Module, output_dir: str | Path, processing_class=None) -> None:
     """Write config, model.safetensors and tokenizer to `output_dir` from a plain, DDP or FSDP2 model.
 
     Every rank must call it: under FSDP the full state dict is gathered collectively (a rank-0-only save hangs
     on NCCL and dies on gloo), whatever state-dict type the checkpoints used. Rank 0 writes the files into a
     staging folder and moves them in with config.json last, so a crash never leaves a folder that looks
-    loadable but holds a partial model.
+    loadable but holds a partial model. The config says use_cache=True (the Trainer turned it off for training).
     """
     state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     distributed = dist.is_available() and dist.is_initialized()
     if not distributed or dist.get_rank() == 0:
-        with atomic_files(output_dir) as staging:
-            extract_model_from_parallel(model).save_pretrained(staging, state_dict=state_dict)
+        unwrapped = extract_model_from_parallel(model)
+        with atomic_files(output_dir) as staging, saved_for_generation(unwrapped.config):
+            unwrapped.save_pretrained(staging, state_dict=state_dict)
             if processing_class is not None:
                 processing_class.save_pretrained(staging)
     if distributed:
@@ -214,12 +287,9 @@ def perplexity(loss: float) -> float:
 
 def prepare(
     model_args: ModelArguments, data_args: DataArguments, training_args: TrainingArguments, do_train: bool,
-    do_eval: bool,
+    do_eval: bool, checkpoint: str | None = None,
 ):
     """Everything before training, with every input error raised before --output_dir is touched."""
-    check_launch(training_args)
-    if data_args.block_size < 2:
-        raise DataError(f"--block_size must be >= 2, got {data_args.block_size}")
     documents = load_documents(
         data_args.train_files,
         data_args.validation_files,
@@ -228,7 +298,7 @@ def prepare(
         validation_fraction=data_args.validation_split_percentage / 100,
         seed=training_args.seed,
     )
-    tokenizer = load_tokenizer(model_args, documents)
+    tokenizer = load_tokenizer(model_args, documents, checkpoint)
     model = build_model(model_args, data_args.block_size, tokenizer)
     workers = data_args.preprocessing_num_workers
     with training_args.main_process_first(desc="tokenize and pack"):
@@ -245,11 +315,31 @@ def prepare(
     return model, tokenizer, blocks
 
 
-def train(model_args: ModelArguments, data_args: DataArguments, training_args: TrainingArguments) -> dict:
-    """Train and/or evaluate; a training run leaves a complete folder: model, tokenizer, state, metrics, curve."""
+def check_arguments(model_args: ModelArguments, data_args: DataArguments, training_args: TrainingArguments,
+                    output_args: OutputArguments | None = None) -> str | None:
+    """Every refusal that the arguments alone decide, in a moment, before any data is read; returns the
+    checkpoint training will resume from (`resume_checkpoint`)."""
+    check_launch(training_args)
+    check_model_arguments(model_args, data_args.block_size)
+    if not 0 < data_args.validation_split_percentage < 100:
+        raise DataError(f"--validation_split_percentage must be between 0 and 100, got "
+                        f"{data_args.validation_split_percentage:g}")
+    return resume_checkpoint(training_args, output_args or OutputArguments(), stages(training_args)[0])
+
+
+def train(model_args: ModelArguments, data_args: DataArguments, training_args: TrainingArguments,
+          output_args: OutputArguments | None = None) -> dict:
+    """Train and/or evaluate; a training run leaves a complete folder: model, tokenizer, state, metrics, curve.
+
+    Resumes from the last checkpoint in --output_dir (see `resume_checkpoint`).
+    """
     do_train, do_eval = stages(training_args)
+    checkpoint = check_arguments(model_args, data_args, training_args, output_args)
+    if checkpoint and not training_args.resume_from_checkpoint:
+        logger.warning("resuming from %s, the last checkpoint in --output_dir (pass --overwrite_output_dir to start "
+                       "again)", checkpoint)
     set_seed(training_args.seed)
-    model, tokenizer, blocks = prepare(model_args, data_args, training_args, do_train, do_eval)
+    model, tokenizer, blocks = prepare(model_args, data_args, training_args, do_train, do_eval, checkpoint)
     trainer = Trainer(
         model=model,
         args=training_args,
@@ -260,7 +350,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, training_args: T
     )
     metrics = {}
     if do_train:
-        result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        result = trainer.train(resume_from_checkpoint=checkpoint)
         save_full_model(trainer.model_wrapped, training_args.output_dir, tokenizer)
         metrics.update(result.metrics)
         trainer.log_metrics("train", result.metrics)
@@ -274,6 +364,14 @@ def train(model_args: ModelArguments, data_args: DataArguments, training_args: T
         metrics.update(evaluation)
         trainer.log_metrics("eval", evaluation)
         trainer.save_metrics("eval", evaluation)
+    if trainer.accelerator.num_processes > 1:
+        # Every process reaches this line before any leaves, then the process group is destroyed: a process that
+        # exits with its gloo/NCCL threads still alive may abort in their destructors (SIGABRT, "terminate
+        # called without an active exception"), and the launcher then fails the whole run.
+        trainer.accelerator.wait_for_everyone()
+        trainer.accelerator.end_training()
+        logger.info("all %d processes finished; the process group is destroyed (distributed: %s)",
+                    trainer.accelerator.num_processes, dist.is_initialized())
     return metrics
 
 

@@ -1,4 +1,4 @@
-"""Shared test set-up: the repository root on sys.path, and TorchScale importable without timm.
+"""Shared test set-up: the repository root on sys.path, TorchScale importable without timm, and `lex_run`.
 
 TorchScale 0.3.0 imports `timm.models.layers.drop_path` at import time, only for stochastic depth.
 timm would pull torchvision (and a CUDA torch), so the tests install a stand-in that refuses to run:
@@ -35,3 +35,30 @@ def _install_timm_stand_in() -> None:
 
 
 _install_timm_stand_in()
+
+
+import pytest  # noqa: E402
+
+
+class LexRun:
+    """`lex ARGS...` in this process, as a shell sees it: (exit status, stdout, stderr), whether the command
+    returned its status or raised SystemExit (argparse's way for a command line that does not parse)."""
+
+    def __init__(self, capsys):
+        self.capsys = capsys
+
+    def __call__(self, *args: str) -> tuple[int, str, str]:
+        from lex.cli import main
+
+        self.capsys.readouterr()
+        try:
+            status = main([str(a) for a in args])
+        except SystemExit as exit_:
+            status = exit_.code if isinstance(exit_.code, int) else 1
+        out, err = self.capsys.readouterr()
+        return status, out, err
+
+
+@pytest.fixture
+def lex_run(capsys) -> LexRun:
+    return LexRun(capsys)

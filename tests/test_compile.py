@@ -19,6 +19,7 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_fullgraph_compile_equals_eager_at_training_length_and_three_windows():
     """fullgraph=True fails on any graph break (host syncs included); the compiled logits equal eager's."""
     model = perturbed_model(tiny_config(num_hidden_layers=1))

@@ -1,4 +1,4 @@
-"""Perplexity by length (streamed evaluator, evaluate module, CLI), attention resolution, passkey, demo --quick."""
+"""Perplexity by length (streamed evaluator, evaluate module, CLI), attention resolution, passkey."""
 
 import json
 import math
@@ -235,12 +235,3 @@ def test_eval_length_cli_writes_everything(folder, texts, tmp_path, capsys):
     for name in ("ppl_vs_length.png", "resolution.png", "resolution.json", "passkey.json"):
         assert (out / name).stat().st_size > 0, name
 
-
-def test_demo_quick_runs_end_to_end(tmp_path, capsys):
-    assert lex(["demo", "--quick", "--minutes", "0.4", "--output_dir", str(tmp_path / "demo")]) == 0
-    printed = capsys.readouterr().out
-    for title in ("Table 2", "Table 5", "Table 3"):
-        assert title in printed
-    rows = json.loads((tmp_path / "demo" / "results.json").read_text())
-    assert {r["model"] for r in rows} == {"xpos", "rope", "alibi"}
-    assert (tmp_path / "demo" / "ppl_vs_length.png").stat().st_size > 0

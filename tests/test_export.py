@@ -68,7 +68,7 @@ def exported(model_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def sharded(model_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("export") / "lex-sharded"
-    assert lex(["export", str(model_dir), str(out), "--max-shard-size", "20KB"]) == 0
+    assert lex(["export", str(model_dir), str(out), "--max_shard_size", "20KB"]) == 0
     return out
 
 
@@ -189,6 +189,28 @@ def test_refusals(model_dir, exported, tmp_path, capsys):
         lex(["export", str(model_dir), str(tmp_path / "x"), "--dry-run"])
 
 
+def test_exported_config_keeps_use_cache_and_files_follow_the_umask(model_dir, tmp_path):
+    """A folder saved with use_cache false (a Trainer's) exports with use_cache true; every file and folder gets
+    the user's modes (0644/0755 under umask 022, 0640/0750 under 027), model.safetensors included."""
+    trained = tmp_path / "trained"
+    config = json.loads((model_dir / "config.json").read_text())
+    trained.mkdir()
+    for path in model_dir.iterdir():
+        (trained / path.name).write_bytes(path.read_bytes())
+    (trained / "config.json").write_text(json.dumps({**config, "use_cache": False}))
+    for umask in (0o022, 0o027):
+        previous = os.umask(umask)
+        try:
+            assert lex(["export", str(trained), str(tmp_path / f"out{umask:o}")]) == 0
+        finally:
+            os.umask(previous)
+        out = tmp_path / f"out{umask:o}"
+        assert json.loads((out / "config.json").read_text())["use_cache"] is True
+        modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+        assert modes == {name: 0o666 & ~umask for name in modes} and "model.safetensors" in modes
+        assert out.stat().st_mode & 0o777 == 0o777 & ~umask
+
+
 def test_shards_above_the_size_limit(sharded):
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
     shards = {p.name for p in sharded.glob("model-*.safetensors")}
@@ -227,7 +249,7 @@ def test_dry_run_lists_the_folder_and_touches_no_network(model_dir, tmp_path, mo
     assert listed == {p.name for p in out.iterdir()}
     assert "private model repo someone/lex-tiny" in report and "Upload LEX model" in report
     assert 'from_pretrained("someone/lex-tiny", trust_remote_code=True)' in (out / "README.md").read_text()
-    with pytest.raises(ExportError, match="--push-to-hub"):
+    with pytest.raises(ExportError, match="--push_to_hub"):
         push_to_hub(out, "not a repo id", dry_run=True)
 
 
@@ -271,6 +293,7 @@ def isolated_python(tmp_path: Path) -> Path:
     return python
 
 
+@pytest.mark.slow
 def test_loads_with_remote_code_where_the_package_is_absent(model, exported, sharded, tmp_path):
     """Logits, greedy tokens past the training length, the bounded cache and pipeline(), without the package."""
     ids = torch.randint(1, 250, (1, 40), generator=torch.Generator().manual_seed(0))
@@ -321,6 +344,7 @@ def test_loads_with_remote_code_where_the_package_is_absent(model, exported, sha
     assert "remote code ok" in run.stdout
 
 
+@pytest.mark.slow
 def test_remote_code_and_the_package_in_one_process(exported, tmp_path):
     """Importing the package after loading the remote code (or before) breaks neither: registration is harmless."""
     script = textwrap.dedent(f"""

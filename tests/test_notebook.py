@@ -4,11 +4,13 @@ import os
 from pathlib import Path
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "quickstart.ipynb"
 
 
+@pytest.mark.slow
 def test_quickstart_notebook_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("LEX_NOTEBOOK_STEPS", "5")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

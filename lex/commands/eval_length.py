@@ -15,37 +15,51 @@ from transformers import AutoTokenizer
 
 from configuration_lex import ATTENTION_MODES
 from convert.staging import atomic_files
-from lex.commands import comma_list
-from lex.data import evaluation_texts
-from lex.models import load_model
+from lex.commands import LexArgumentParser, comma_list, positive_int, positive_ints
+from lex.data import DataError, evaluation_texts
+from lex.models import load_model, model_config
 from lex.passkey import passkey_rows
 from lex.perplexity import PROTOCOLS, evaluate_model
 from lex.report import passkey_table, plot_resolution, protocol_table, resolution_table, write_results
 from lex.resolution import analytic_curves, resolution_rows
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="lex eval-length", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> LexArgumentParser:
+    parser = LexArgumentParser("eval-length", description=__doc__)
     parser.add_argument("model", nargs="+", help="model folders (a LEX folder, or any causal LM)")
     parser.add_argument("--files", help="globs of evaluation text files; default: the held-out KJV books")
-    parser.add_argument("--lengths", default="256,512,1024,2048", help="comma-separated evaluation lengths")
+    parser.add_argument("--lengths", default="256,512,1024,2048", type=positive_ints,
+                        help="comma-separated evaluation lengths")
     parser.add_argument("--attention_modes", default="full,blockwise",
                         type=comma_list(ATTENTION_MODES),
                         help=f"comma-separated: {','.join(ATTENTION_MODES)}")
-    parser.add_argument("--protocols", default=",".join(PROTOCOLS), type=comma_list(PROTOCOLS))
+    parser.add_argument("--protocols", default=",".join(PROTOCOLS), type=comma_list(PROTOCOLS),
+                        help=f"comma-separated: {','.join(PROTOCOLS)}")
     parser.add_argument("--output_dir", type=Path, required=True)
-    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--batch_size", type=positive_int, default=8)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--resolution", action="store_true", help="attention resolution per layer (paper eq. 3)")
     parser.add_argument("--passkey", action="store_true", help="passkey retrieval at several distances")
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
-    args.lengths = [int(x) for x in args.lengths.split(",")]
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"{parser.flag('device')} {args.device}: no CUDA device is available")
+    if args.output_dir.exists() and not args.output_dir.is_dir():
+        parser.error(f"{parser.flag('output_dir')} {args.output_dir}: a file, not a folder")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    for path in args.model:
+        config = model_config(path, "MODEL", tokenizer=True)
+        if args.resolution and config.model_type != "lex":
+            raise DataError(f"--resolution reads a LEX model's attention scores; {path} holds a "
+                            f"{config.model_type!r} model")
     texts = evaluation_texts(args.files)
     rows, resolution, curves, passkey = [], [], {}, []
     for path in args.model:

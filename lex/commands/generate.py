@@ -1,4 +1,4 @@
-"""`lex generate MODEL --prompt-file FILE --max-new-tokens N`: continue a long document with the bounded cache.
+"""`lex generate MODEL --prompt_file FILE --max_new_tokens N`: continue a long document with the bounded cache.
 
 generate() reads the prompt window by window (a progress bar counts it), then streams the continuation to
 stdout. In blockwise and sliding modes memory stays O(window) however long the prompt is.
@@ -16,30 +16,53 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, TextStreamer
 
 from configuration_lex import ATTENTION_MODES
-from lex.models import DTYPES, load_model
+from lex.commands import LexArgumentParser
+from lex.data import DataError, check_text_file
+from lex.models import DTYPES, load_model, model_config
 from modeling_lex import LexCache
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="lex generate", description=__doc__)
+def build_parser() -> LexArgumentParser:
+    parser = LexArgumentParser("generate", description=__doc__)
     parser.add_argument("model", help="a LEX model folder (or Hub id) with its tokenizer")
-    parser.add_argument("--prompt-file", type=Path, required=True, help="UTF-8 text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=200)
-    parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    parser.add_argument("--prompt_file", type=Path, required=True, help="UTF-8 text to continue")
+    parser.add_argument("--max_new_tokens", type=int, default=200)
+    parser.add_argument("--do_sample", action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=50)
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top_k", type=int, default=50)
+    parser.add_argument("--top_p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--attention-mode", choices=ATTENTION_MODES,
+    parser.add_argument("--attention_mode", choices=ATTENTION_MODES,
                         help="override the model's attention_mode")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar while reading the prompt")
+    parser.add_argument("--no_progress", action="store_true", help="no progress bar while reading the prompt")
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
-        parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        parser.error(f"{parser.flag('max_new_tokens')} must be >= 1, got {args.max_new_tokens}")
+    if not args.temperature > 0:
+        parser.error(f"{parser.flag('temperature')} must be > 0, got {args.temperature}")
+    if args.top_k < 0:
+        parser.error(f"{parser.flag('top_k')} must be >= 0, got {args.top_k}")
+    if not 0 < args.top_p <= 1:
+        parser.error(f"{parser.flag('top_p')} must be in (0, 1], got {args.top_p}")
     if not args.prompt_file.is_file():
-        parser.error(f"--prompt-file {args.prompt_file} does not exist")
+        parser.error(f"{parser.flag('prompt_file')} {args.prompt_file} does not exist")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"{parser.flag('device')} {args.device}: no CUDA device is available")
+    flag = parser.flag("prompt_file")
+    check_text_file(args.prompt_file, flag)
+    args.prompt = args.prompt_file.read_text(encoding="utf-8")
+    if not args.prompt.strip():
+        raise DataError(f"{flag} {args.prompt_file}: the file holds no text")
+    config = model_config(args.model, "MODEL", tokenizer=True)
+    if config.model_type != "lex":
+        raise DataError(f"MODEL {args.model} holds a {config.model_type!r} model; lex generate runs LEX models")
     return args
 
 
@@ -66,11 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     model = load_model(args.model, args.attention_mode, args.device, args.dtype)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    text = args.prompt_file.read_text(encoding="utf-8")
-    input_ids = tokenizer(text, return_tensors="pt").input_ids.to(args.device)
+    input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(args.device)
     if input_ids.shape[1] == 0:
-        print(f"lex generate: {args.prompt_file} holds no tokens", file=sys.stderr)
-        return 2
+        raise DataError(f"{args.prompt_file} holds no tokens of the model's tokenizer")
     config = model.config
     print(f"prompt: {input_ids.shape[1]} tokens; {config.attention_mode} attention, window "
           f"{config.attention_window}; training length {config.max_position_embeddings}", file=sys.stderr)

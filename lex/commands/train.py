@@ -5,34 +5,70 @@
 
 Model, data and tokenizer arguments follow examples/pytorch/language-modeling/run_clm.py; every
 TrainingArguments flag passes through (`lex train --help`), and a single JSON file may hold them all.
-Inputs are checked before anything is written to --output_dir.
+Inputs are checked before anything is written to --output_dir. Run again into an --output_dir that holds
+checkpoint-* folders, the same command resumes from the last one; a non-empty --output_dir without
+checkpoints is refused unless --overwrite_output_dir.
 """
 
+import argparse
+import dataclasses
 import json
 import logging
 import sys
 
 from transformers import HfArgumentParser, TrainingArguments
 
-from lex.data import DataError
-from lex.training import DataArguments, ModelArguments, process_log_levels, train
+from lex.commands import ALIAS_NOTE, OneSpellingHelp, Spellings, UsageError
+from lex.training import DataArguments, ModelArguments, OutputArguments, check_arguments, process_log_levels, train
+
+DATACLASSES = (ModelArguments, DataArguments, OutputArguments, TrainingArguments)
+
+
+class TrainHelp(OneSpellingHelp, argparse.ArgumentDefaultsHelpFormatter):
+    """One spelling per flag, and the defaults (as HfArgumentParser shows them)."""
+
+
+class TrainArgumentParser(Spellings, HfArgumentParser):
+    """HfArgumentParser (every dataclass field a flag) with the contract of lex.commands."""
+
+    def __init__(self):
+        super().__init__(DATACLASSES, prog="lex train", description=__doc__, formatter_class=TrainHelp,
+                         epilog=ALIAS_NOTE)
+
+    def dataclasses_from(self, namespace_or_dict: dict) -> tuple:
+        """The four argument dataclasses; a value their own checks refuse (TrainingArguments.__post_init__:
+        incompatible strategies, an unknown optimizer, ...) is a UsageError, not a traceback."""
+        values, outputs = dict(namespace_or_dict), []
+        for dtype in DATACLASSES:
+            names = {f.name for f in dataclasses.fields(dtype) if f.init}
+            try:
+                outputs.append(dtype(**{k: values.pop(k) for k in list(values) if k in names}))
+            except (ValueError, TypeError) as error:
+                self.error(str(error))
+        if values:
+            self.error(f"unknown arguments {', '.join(sorted(values))}")
+        return tuple(outputs)
+
+    def parse(self, argv: list[str]) -> tuple:
+        if len(argv) == 1 and argv[0].endswith(".json"):
+            try:
+                with open(argv[0], encoding="utf-8") as handle:
+                    data = json.load(handle)
+            except (OSError, ValueError) as error:
+                raise UsageError(f"{argv[0]}: cannot read the arguments from it ({error})") from None
+            if not isinstance(data, dict):
+                raise UsageError(f"{argv[0]}: must hold one JSON object of arguments")
+            return self.dataclasses_from(data)
+        return self.dataclasses_from(vars(self.parse_args(argv)))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments), prog="lex train",
-                              description=__doc__)
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) == 1 and args[0].endswith(".json"):
-        model_args, data_args, training_args = parser.parse_json_file(json_file=args[0])
-    else:
-        model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=args)
+    parser = TrainArgumentParser()
+    model_args, data_args, output_args, training_args = parser.parse(list(sys.argv[1:] if argv is None else argv))
+    check_arguments(model_args, data_args, training_args, output_args)  # refusals before any log line
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", datefmt="%m/%d/%Y %H:%M:%S")
-    try:
-        with process_log_levels(training_args):
-            metrics = train(model_args, data_args, training_args)
-    except DataError as error:
-        print(f"lex train: {error}", file=sys.stderr)
-        return 2
+    with process_log_levels(training_args):
+        metrics = train(model_args, data_args, training_args, output_args)
     if training_args.process_index == 0:
         print(json.dumps({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, indent=2))
     return 0
