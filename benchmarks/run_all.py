@@ -20,6 +20,7 @@ SMALL = {
     "train_speed.py": ["--steps", "10"],
     "eval_speed.py": ["--lengths", "1024,8192"],
     "compile_speed.py": ["--contexts", "1000,10000", "--layers", "2", "--new", "32", "--steps", "2"],
+    "llama_speed.py": ["--layers", "2", "--repeats", "3", "--new", "16"],
 }
 
 

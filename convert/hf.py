@@ -1,0 +1,451 @@
+"""Llama, Mistral and Qwen2 checkpoints <-> LEX models.
+
+    lex convert-hf SRC OUT [--attention_mode M] [--attention_window W] [--dtype D] [--force]
+    lex convert-to-hf SRC OUT [--force]
+
+A LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM becomes a LexForCausalLM with RoPE positions, RMSNorm,
+a gated MLP, grouped-query attention and the source's biases. By default it computes exactly what the source
+does: full attention, or Mistral's `sliding_window` as LEX `sliding` with w = that window (a query at p sees
+p-w+1 ... p in both). `attention_mode="blockwise"` (BCA) or `"sliding"` makes it read past its training length.
+
+Rotation layout: HF models rotate the two halves of each head (dims i and i + d/2 form pair i), LEX rotates
+interleaved pairs (dims 2i and 2i+1), so the rows of q_proj and k_proj (and their biases) are permuted per head
+(per key/value head for k_proj) on the way in and back on the way out. The dot product of a query and a key is the
+same, since both are permuted alike.
+
+Folders are converted tensor by tensor from safetensors (never a pickle), one output shard at a time, so at most
+one shard of weights is in memory; the output folder appears only when complete (convert.staging). What no
+target computes is refused, naming the field and why, before anything is written.
+"""
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from accelerate import init_empty_weights
+from huggingface_hub.errors import StrictDataclassError
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+)
+from transformers.utils.hub import convert_file_size_to_int
+
+from configuration_lex import ATTENTION_MODES, ROPE_TYPES, LexConfig
+from modeling_lex import LexForCausalLM
+from modeling_lex.positions import POSITION_METHODS
+
+from .checkpoint import ConversionError
+from .staging import atomic_directory
+
+SOURCE_TYPES = ("llama", "mistral", "qwen2")
+# Well-known decoders that are not Llama-family RoPE models, and what about them no LEX model computes.
+FOREIGN_POSITIONS = {
+    "gpt2": "learned absolute position embeddings (wpe)",
+    "gpt_bigcode": "learned absolute position embeddings (wpe)",
+    "opt": "learned absolute position embeddings",
+    "bloom": "ALiBi biases with its own layout",
+    "gpt_neox": "rotary embeddings on part of each head (rotary_pct)",
+    "gptj": "rotary embeddings on part of each head (rotary_dim)",
+    "phi": "rotary embeddings on part of each head (partial_rotary_factor)",
+}
+# HF activation names -> LexConfig.hidden_act (transformers' "gelu" is the exact erf GELU, as LEX's).
+HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "relu": "relu"}
+# Files carried over besides the weights and config.json: the tokenizer and the generation defaults.
+CARRIED_FILES = (
+    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+)
+# Layer norms are the only tensors named differently (LEX keeps TorchScale's names); the rest are Llama's names.
+LEX_NORMS = {"input_layernorm": "self_attn_layer_norm", "post_attention_layernorm": "final_layer_norm"}
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                      "U8": torch.uint8, "BOOL": torch.bool}
+ROTARY_BUFFER = ".rotary_emb.inv_freq"  # in some older Llama saves; recomputed from the config
+DEFAULT_MAX_SHARD_SIZE = "2GB"
+
+
+# ---------------------------------------------------------------- the rotation layouts
+
+
+def interleave_heads(tensor: torch.Tensor, heads: int) -> torch.Tensor:
+    """q/k rows (or biases) from HF's half layout to LEX's interleaved one: per head, row 2i+a = HF row a*d/2+i."""
+    half = tensor.shape[0] // heads // 2
+    return tensor.reshape(heads, 2, half, *tensor.shape[1:]).transpose(1, 2).reshape(tensor.shape)
+
+
+def halve_heads(tensor: torch.Tensor, heads: int) -> torch.Tensor:
+    """The inverse of `interleave_heads`: LEX's interleaved q/k rows to HF's half layout."""
+    half = tensor.shape[0] // heads // 2
+    return tensor.reshape(heads, half, 2, *tensor.shape[1:]).transpose(1, 2).reshape(tensor.shape)
+
+
+def rotary_heads(name: str, config) -> int | None:
+    """How many heads the rows of a q_proj/k_proj tensor hold (None for every other tensor)."""
+    if ".self_attn.q_proj." in name:
+        return config.num_attention_heads
+    if ".self_attn.k_proj." in name:
+        return config.num_key_value_heads
+    return None
+
+
+def lex_name(hf_name: str) -> str:
+    for hf, lex in LEX_NORMS.items():
+        hf_name = hf_name.replace(f".{hf}.", f".{lex}.")
+    return hf_name
+
+
+def hf_name(lex_name_: str) -> str:
+    for hf, lex in LEX_NORMS.items():
+        lex_name_ = lex_name_.replace(f".{lex}.", f".{hf}.")
+    return lex_name_
+
+
+# ---------------------------------------------------------------- HF -> LEX: configs
+
+
+def source_window(hf_config) -> int | None:
+    """The source's sliding window (every layer the same), None for full attention."""
+    if hf_config.model_type == "mistral":  # MistralModel applies sliding_window on every layer
+        return hf_config.sliding_window
+    layer_types = getattr(hf_config, "layer_types", None)
+    if not layer_types or set(layer_types) == {"full_attention"}:
+        return None
+    if set(layer_types) == {"sliding_attention"}:
+        return hf_config.sliding_window
+    raise ConversionError(
+        f"{hf_config.model_type} layer_types={list(layer_types)} (per-layer windows that differ, e.g. Qwen2's "
+        f"use_sliding_window with max_window_layers={getattr(hf_config, 'max_window_layers', None)}): a LexConfig has "
+        "one attention_mode and attention_window for every layer"
+    )
+
+
+def source_rope(hf_config) -> dict:
+    rope = dict(hf_config.rope_parameters or {})
+    if any(isinstance(value, dict) for value in rope.values()):
+        raise ConversionError(f"rope_parameters per layer type ({', '.join(rope)}): a LexConfig has one rope")
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in ROPE_TYPES:
+        why = ("its frequencies depend on the current length, which a model that re-encodes positions in every "
+               "window cannot reproduce; " if rope_type in ("dynamic", "longrope") else "")
+        raise ConversionError(f"rope_parameters['rope_type']={rope_type!r}: {why}convertible: {', '.join(ROPE_TYPES)}")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConversionError(f"rope_parameters['partial_rotary_factor']={rope['partial_rotary_factor']}: LEX rotates "
+                              "every dimension of a head (convertible: 1.0)")
+    return rope
+
+
+def source_biases(hf_config) -> dict:
+    """Which projections carry biases: Llama's attention_bias is on q/k/v/o, Qwen2's on q/k/v only."""
+    if hf_config.model_type == "llama":
+        return dict(attention_bias=hf_config.attention_bias, attention_output_bias=hf_config.attention_bias,
+                    mlp_bias=hf_config.mlp_bias)
+    return dict(attention_bias=hf_config.model_type == "qwen2", attention_output_bias=False, mlp_bias=False)
+
+
+def lex_config_from_hf(
+    hf_config: PreTrainedConfig, attention_mode: str | None = None, attention_window: int | None = None
+) -> LexConfig:
+    """The LexConfig of a Llama, Mistral or Qwen2 config, or a ConversionError naming what it cannot express.
+
+    By default the LEX model computes what the source does (full attention, or the source's sliding window);
+    `attention_mode` "blockwise" or "sliding" with `attention_window` (default: the source's sliding window, else
+    its max_position_embeddings) reads past the training length.
+    """
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in SOURCE_TYPES:
+        why = f" (it uses {FOREIGN_POSITIONS[model_type]})" if model_type in FOREIGN_POSITIONS else ""
+        raise ConversionError(f"model_type {model_type!r} is not a Llama, Mistral or Qwen2 model{why}; "
+                              f"convertible: {', '.join(SOURCE_TYPES)}")
+    if attention_mode is not None and attention_mode not in ATTENTION_MODES:
+        raise ConversionError(f"attention_mode={attention_mode!r}: allowed: {', '.join(ATTENTION_MODES)}")
+    window = source_window(hf_config)
+    if window is not None and (window < 4 or window % 2):
+        raise ConversionError(f"{model_type} sliding_window={window}: a LEX attention_window is an even integer >= 4")
+    rope = source_rope(hf_config)
+    if hf_config.hidden_act not in HF_ACTIVATIONS:
+        raise ConversionError(f"hidden_act={hf_config.hidden_act!r}: convertible: {', '.join(HF_ACTIVATIONS)}")
+    length = hf_config.max_position_embeddings
+    fields = dict(
+        vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size,
+        intermediate_size=hf_config.intermediate_size, num_hidden_layers=hf_config.num_hidden_layers,
+        num_attention_heads=hf_config.num_attention_heads, num_key_value_heads=hf_config.num_key_value_heads,
+        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
+        hidden_act=HF_ACTIVATIONS[hf_config.hidden_act], max_position_embeddings=length,
+        position_embedding_type="rope", rope_parameters=rope,
+        attention_mode=attention_mode or ("sliding" if window else "full"),
+        attention_window=attention_window or window or length + length % 2,
+        norm_type="rmsnorm", rms_norm_eps=hf_config.rms_norm_eps, mlp_type="gated", **source_biases(hf_config),
+        normalize_before=True, subln=False, deepnorm=False, layernorm_embedding=False, embedding_scale=1.0,
+        attention_dropout=hf_config.attention_dropout, initializer_range=hf_config.initializer_range,
+        tie_word_embeddings=hf_config.tie_word_embeddings, pad_token_id=hf_config.pad_token_id,
+        bos_token_id=hf_config.bos_token_id, eos_token_id=hf_config.eos_token_id,
+    )
+    try:
+        config = LexConfig(**fields)
+    except (ValueError, StrictDataclassError) as error:  # @strict's field and class validation errors
+        message = " ".join(str(error).split())  # one line
+        raise ConversionError(f"the {model_type} config does not fit a LexConfig: {message}") from None
+    config.architectures = ["LexForCausalLM"]
+    config.dtype = hf_config.dtype
+    return config
+
+
+# ---------------------------------------------------------------- LEX -> HF: configs
+
+
+def hf_config_from_lex(config: LexConfig) -> PreTrainedConfig:
+    """The Llama (full attention), Mistral (sliding) or Qwen2 (q/k/v biases only) config computing what `config`
+    does, or a ConversionError naming the first field no HF architecture computes."""
+
+    def refuse(field: str, why: str):
+        raise ConversionError(f"LexConfig.{field}={getattr(config, field)!r}: {why}")
+
+    if not POSITION_METHODS[config.position_embedding_type].llama:
+        refuse("position_embedding_type", "no HF architecture computes it (Llama, Mistral and Qwen2 rotate with "
+                                          "RoPE: 'rope')")
+    if config.absolute_position_embedding is not None:
+        refuse("absolute_position_embedding", "no HF Llama-family architecture adds absolute positions (allowed: None)")
+    if config.attention_mode == "blockwise":
+        refuse("attention_mode", "no HF architecture computes blockwise causal attention (allowed: 'full' -> Llama "
+                                 "or Qwen2, 'sliding' -> Mistral or Qwen2)")
+    required = {"normalize_before": True, "subln": False, "deepnorm": False, "layernorm_embedding": False,
+                "norm_type": "rmsnorm", "mlp_type": "gated", "embedding_scale": 1.0}
+    for field, value in required.items():
+        if getattr(config, field) != value:
+            refuse(field, f"no HF Llama-family architecture computes it (allowed: {value!r})")
+    qkv_only = config.attention_bias and not config.attention_output_bias
+    if config.attention_output_bias and not config.attention_bias:
+        refuse("attention_output_bias", "no HF architecture has a bias on o_proj without biases on q/k/v (Llama: "
+                                        "all four, Qwen2: q/k/v only)")
+    sliding = config.attention_mode == "sliding"
+    if sliding and config.attention_output_bias:
+        refuse("attention_output_bias", "with attention_mode='sliding' no HF architecture has it (Mistral has no "
+                                        "biases, Qwen2 none on o_proj)")
+    if config.mlp_bias and (sliding or qkv_only):
+        refuse("mlp_bias", "only Llama has MLP biases, with full attention and biases on q/k/v/o or none")
+    common = dict(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
+        hidden_act="silu" if config.hidden_act == "swish" else config.hidden_act,
+        max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.rms_norm_eps,
+        rope_parameters=dict(config.rope_parameters), tie_word_embeddings=config.tie_word_embeddings,
+        attention_dropout=config.attention_dropout, initializer_range=config.initializer_range,
+        pad_token_id=config.pad_token_id, bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+    )
+    window = config.attention_window if sliding else None
+    if qkv_only:
+        hf_config = Qwen2Config(**common, use_sliding_window=sliding, sliding_window=window, max_window_layers=0)
+    elif sliding:
+        hf_config = MistralConfig(**common, sliding_window=window)
+    else:
+        hf_config = LlamaConfig(**common, attention_bias=config.attention_bias, mlp_bias=config.mlp_bias)
+    hf_config.architectures = [f"{type(hf_config).__name__.removesuffix('Config')}ForCausalLM"]
+    hf_config.dtype = config.dtype
+    return hf_config
+
+
+# ---------------------------------------------------------------- tensors
+
+
+def convert_tensor(name: str, tensor: torch.Tensor, config, to_lex: bool) -> tuple[str, torch.Tensor]:
+    """One tensor under its new name, q/k rows permuted to the target's rotation layout."""
+    heads = rotary_heads(name, config)
+    if heads is not None:
+        tensor = interleave_heads(tensor, heads) if to_lex else halve_heads(tensor, heads)
+    return (lex_name(name) if to_lex else hf_name(name)), tensor
+
+
+def expected_shapes(build: Callable, config) -> dict[str, tuple[int, ...]]:
+    """Every tensor `build(config)` loads, with its shape (parameters on the meta device: no memory)."""
+    with init_empty_weights():
+        model = build(config)
+    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    return shapes
+
+
+def plan_names(shapes: dict[str, tuple[int, ...]], target_config, to_lex: bool) -> dict:
+    """source name -> (target name, shape) of every tensor to convert."""
+    renamed = {}
+    for name, shape in shapes.items():
+        if name.endswith(ROTARY_BUFFER) or target_config.tie_word_embeddings and name == "lm_head.weight":
+            continue  # recomputed from the config; a tied head is the embedding (what transformers loads too)
+        renamed[name] = (lex_name(name) if to_lex else hf_name(name), shape)
+    return renamed
+
+
+def check_names(renamed: dict[str, tuple[str, tuple[int, ...]]], expected: dict[str, tuple[int, ...]],
+                source: str) -> None:
+    """`renamed` maps each source name to (target name, shape); every expected tensor once, nothing else."""
+    targets = {target: (name, shape) for name, (target, shape) in renamed.items()}
+    missing = [name for name in expected if name not in targets]
+    unexpected = [name for name, (target, _) in renamed.items() if target not in expected]
+    shapes = [f"{name} is {shape}, the config needs {expected[target]}" for name, (target, shape) in renamed.items()
+              if target in expected and shape != expected[target]]
+    problems = [f"{what}: {', '.join(items[:8])}{' ...' if len(items) > 8 else ''}" for what, items in
+                (("missing tensors", missing), ("unexpected tensors", unexpected), ("shape mismatches", shapes))
+                if items]
+    if problems:
+        raise ConversionError(f"{source}: the weights do not match the config: " + "; ".join(problems))
+
+
+def lex_from_hf(
+    model: PreTrainedModel, attention_mode: str | None = None, attention_window: int | None = None
+) -> LexForCausalLM:
+    """A loaded LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM as a LexForCausalLM, in memory.
+
+    The LEX model shares the source's tensors (the permuted q/k projections excepted), on its device and in its
+    dtype, so no second copy of the weights is made: train one of the two, not both.
+    """
+    config = lex_config_from_hf(model.config, attention_mode, attention_window)
+    config.dtype = model.dtype
+    source = model.state_dict()
+    renamed = plan_names({name: tuple(tensor.shape) for name, tensor in source.items()}, config, to_lex=True)
+    check_names(renamed, expected_shapes(LexForCausalLM, config), type(model).__name__)
+    state = dict(convert_tensor(name, source[name].detach(), config, to_lex=True) for name in renamed)
+    with init_empty_weights():
+        lex = LexForCausalLM(config)
+    lex.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        lex.lm_head.weight = lex.model.embed_tokens.weight
+    return lex.train(model.training)
+
+
+# ---------------------------------------------------------------- folders
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a model folder, sharded or not; pickled weights are refused, never opened."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError) as error:
+            raise ConversionError(f"{index}: not a safetensors index ({error})") from None
+        missing = [name for name in names if not (folder / name).is_file()]
+        if missing:
+            raise ConversionError(f"{index} names shards that are not in the folder: {', '.join(missing)}")
+        return [folder / name for name in names]
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    pickles = sorted(p.name for p in folder.glob("*") if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+    why = (f"it holds pickled weights ({', '.join(pickles)}), which this converter never unpickles; save the model "
+           "with save_pretrained (safetensors) first" if pickles
+           else "no model.safetensors or model.safetensors.index.json")
+    raise ConversionError(f"{folder}: {why}")
+
+
+def read_names(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...], torch.dtype]]:
+    """name -> (file, shape, dtype) from the safetensors headers, without reading any tensor."""
+    names = {}
+    for path in files:
+        with safe_open(path, framework="pt") as handle:
+            for name in handle.keys():
+                piece = handle.get_slice(name)
+                names[name] = (path, tuple(piece.get_shape()), SAFETENSORS_DTYPES[piece.get_dtype()])
+    return names
+
+
+def write_weights(names: dict, renamed: dict, config, to_lex: bool, staging: Path, dtype: torch.dtype | None,
+                  max_shard_size: int) -> None:
+    """Read, convert and write the tensors one output shard at a time (each shard's tensors read through their own
+    safe_open, so neither the converted tensors nor the source's mapped pages outlive the shard)."""
+    shards, shard, size = [], [], 0
+    for name, (target, shape) in renamed.items():
+        path, _, source_dtype = names[name]
+        nbytes = torch.Size(shape).numel() * (dtype or source_dtype).itemsize
+        if shard and size + nbytes > max_shard_size:
+            shards.append(shard)
+            shard, size = [], 0
+        shard.append(name)
+        size += nbytes
+    shards.append(shard)
+    weight_map, total = {}, 0
+    for number, shard in enumerate(shards, start=1):
+        file_name = ("model.safetensors" if len(shards) == 1
+                     else f"model-{number:05d}-of-{len(shards):05d}.safetensors")
+        tensors = {}
+        for path in dict.fromkeys(names[name][0] for name in shard):
+            with safe_open(path, framework="pt") as handle:
+                for name in (n for n in shard if names[n][0] == path):
+                    target, tensor = convert_tensor(name, handle.get_tensor(name), config, to_lex)
+                    tensors[target] = (tensor if dtype is None else tensor.to(dtype)).contiguous()
+        save_file(tensors, staging / file_name, metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map.update(dict.fromkeys(tensors, file_name))
+        del tensors
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def convert_folder(src_dir: Path, out_dir: Path, lex_config: LexConfig, target_config, build: Callable, to_lex: bool,
+                   dtype: str | None, force: bool, max_shard_size: int | str) -> None:
+    """Check every name and shape from the headers, then stream the weights into a staged OUT; carry the tokenizer
+    and generation_config over. Nothing is written before every check has passed."""
+    if dtype is not None and not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise ConversionError(f"dtype={dtype!r} is not a torch dtype")
+    torch_dtype = getattr(torch, dtype) if dtype else None
+    names = read_names(weight_files(src_dir))
+    renamed = plan_names({name: shape for name, (_, shape, _) in names.items()}, target_config, to_lex)
+    check_names(renamed, expected_shapes(build, target_config), str(src_dir))
+    if Path(out_dir).exists() and not force:
+        raise ConversionError(f"{out_dir} exists; pass --force to replace it")
+    if torch_dtype is not None:
+        target_config.dtype = torch_dtype
+    with atomic_directory(out_dir, force) as staging:
+        write_weights(names, renamed, lex_config, to_lex, staging, torch_dtype,
+                      convert_file_size_to_int(max_shard_size))
+        target_config.save_pretrained(staging)
+        for name in CARRIED_FILES:
+            if (src_dir / name).is_file():
+                shutil.copy2(src_dir / name, staging / name)
+
+
+def load_config(folder: Path):
+    if not Path(folder).is_dir():
+        raise ConversionError(f"{folder}: not a model folder")
+    try:
+        return AutoConfig.from_pretrained(str(folder))
+    except (OSError, ValueError, KeyError, StrictDataclassError) as error:
+        raise ConversionError(f"{folder}: cannot read its config.json: {str(error).splitlines()[0]}") from None
+
+
+def convert_hf(
+    src_dir: str | Path, out_dir: str | Path, attention_mode: str | None = None, attention_window: int | None = None,
+    dtype: str | None = None, force: bool = False, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+) -> LexConfig:
+    """A Llama, Mistral or Qwen2 folder (safetensors) -> a LEX folder; returns its LexConfig.
+
+    At most one output shard (`max_shard_size`) of weights is held in memory. An existing OUT is refused unless
+    `force`, and replaced only once the new folder is complete.
+    """
+    src_dir = Path(src_dir)
+    config = lex_config_from_hf(load_config(src_dir), attention_mode, attention_window)
+    convert_folder(src_dir, Path(out_dir), config, config, LexForCausalLM, True, dtype, force, max_shard_size)
+    return config
+
+
+def convert_to_hf(src_dir: str | Path, out_dir: str | Path, force: bool = False,
+                  max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> PreTrainedConfig:
+    """A LEX folder with RoPE positions -> a Llama, Mistral or Qwen2 folder that transformers loads without this
+    package; returns its config. Refused, with nothing written, where no HF architecture computes the model."""
+    src_dir = Path(src_dir)
+    config = load_config(src_dir)
+    if not isinstance(config, LexConfig):
+        raise ConversionError(f"{src_dir} holds a {config.model_type!r} model, not a LEX one")
+    hf_config = hf_config_from_lex(config)
+    convert_folder(src_dir, Path(out_dir), config, hf_config, AutoModelForCausalLM.from_config, False, None, force,
+                   max_shard_size)
+    return hf_config
