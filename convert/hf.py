@@ -1,6 +1,6 @@
 """Llama, Mistral and Qwen2 checkpoints <-> LEX models.
 
-    lex convert-hf SRC OUT [--attention_mode M] [--attention_window W] [--dtype D] [--force]
+    lex convert-hf SRC OUT [--attention_mode M] [--attention_window W] [--attention_sinks S] [--dtype D] [--force]
     lex convert-to-hf SRC OUT [--force]
 
 A LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM becomes a LexForCausalLM with RoPE positions, RMSNorm,
@@ -152,13 +152,15 @@ def source_biases(hf_config) -> dict:
 
 
 def lex_config_from_hf(
-    hf_config: PreTrainedConfig, attention_mode: str | None = None, attention_window: int | None = None
+    hf_config: PreTrainedConfig, attention_mode: str | None = None, attention_window: int | None = None,
+    attention_sinks: int = 0,
 ) -> LexConfig:
     """The LexConfig of a Llama, Mistral or Qwen2 config, or a ConversionError naming what it cannot express.
 
     By default the LEX model computes what the source does (full attention, or the source's sliding window);
     `attention_mode` "blockwise" or "sliding" with `attention_window` (default: the source's sliding window, else
-    its max_position_embeddings) reads past the training length.
+    its max_position_embeddings) reads past the training length, with `attention_sinks` first tokens of each
+    document kept in view.
     """
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SOURCE_TYPES:
@@ -182,7 +184,7 @@ def lex_config_from_hf(
         hidden_act=HF_ACTIVATIONS[hf_config.hidden_act], max_position_embeddings=length,
         position_embedding_type="rope", rope_parameters=rope,
         attention_mode=attention_mode or ("sliding" if window else "full"),
-        attention_window=attention_window or window or length + length % 2,
+        attention_window=attention_window or window or length + length % 2, attention_sinks=attention_sinks,
         norm_type="rmsnorm", rms_norm_eps=hf_config.rms_norm_eps, mlp_type="gated", **source_biases(hf_config),
         normalize_before=True, subln=False, deepnorm=False, layernorm_embedding=False, embedding_scale=1.0,
         attention_dropout=hf_config.attention_dropout, initializer_range=hf_config.initializer_range,
@@ -214,6 +216,8 @@ def hf_config_from_lex(config: LexConfig) -> PreTrainedConfig:
                                           "RoPE: 'rope')")
     if config.absolute_position_embedding is not None:
         refuse("absolute_position_embedding", "no HF Llama-family architecture adds absolute positions (allowed: None)")
+    if config.attention_sinks and config.attention_mode != "full":
+        refuse("attention_sinks", "no HF architecture keeps attention sinks in its window (allowed: 0)")
     if config.attention_mode == "blockwise":
         refuse("attention_mode", "no HF architecture computes blockwise causal attention (allowed: 'full' -> Llama "
                                  "or Qwen2, 'sliding' -> Mistral or Qwen2)")
@@ -301,14 +305,15 @@ def check_names(renamed: dict[str, tuple[str, tuple[int, ...]]], expected: dict[
 
 
 def lex_from_hf(
-    model: PreTrainedModel, attention_mode: str | None = None, attention_window: int | None = None
+    model: PreTrainedModel, attention_mode: str | None = None, attention_window: int | None = None,
+    attention_sinks: int = 0,
 ) -> LexForCausalLM:
     """A loaded LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM as a LexForCausalLM, in memory.
 
     The LEX model shares the source's tensors (the permuted q/k projections excepted), on its device and in its
     dtype, so no second copy of the weights is made: train one of the two, not both.
     """
-    config = lex_config_from_hf(model.config, attention_mode, attention_window)
+    config = lex_config_from_hf(model.config, attention_mode, attention_window, attention_sinks)
     config.dtype = model.dtype
     source = model.state_dict()
     renamed = plan_names({name: tuple(tensor.shape) for name, tensor in source.items()}, config, to_lex=True)
@@ -425,6 +430,7 @@ def load_config(folder: Path):
 def convert_hf(
     src_dir: str | Path, out_dir: str | Path, attention_mode: str | None = None, attention_window: int | None = None,
     dtype: str | None = None, force: bool = False, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    attention_sinks: int = 0,
 ) -> LexConfig:
     """A Llama, Mistral or Qwen2 folder (safetensors) -> a LEX folder; returns its LexConfig.
 
@@ -432,7 +438,7 @@ def convert_hf(
     `force`, and replaced only once the new folder is complete.
     """
     src_dir = Path(src_dir)
-    config = lex_config_from_hf(load_config(src_dir), attention_mode, attention_window)
+    config = lex_config_from_hf(load_config(src_dir), attention_mode, attention_window, attention_sinks)
     convert_folder(src_dir, Path(out_dir), config, config, LexForCausalLM, True, dtype, force, max_shard_size)
     return config
 

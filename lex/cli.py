@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         except UsageError as error:
             close_progress_bars()
             print(f"lex {name}: {one_line(error)} (lex {name} --help lists the arguments)", file=sys.stderr)
-            raise SystemExit(2) from None  # as argparse does: a command line that does not parse exits
+            return 2
         except (LexError, OSError) as error:
             close_progress_bars()
             print(f"lex {name}: {one_line(error)}", file=sys.stderr)

@@ -42,7 +42,7 @@ import pytest  # noqa: E402
 
 class LexRun:
     """`lex ARGS...` in this process, as a shell sees it: (exit status, stdout, stderr), whether the command
-    returned its status or raised SystemExit (argparse's way for a command line that does not parse)."""
+    returned its status or raised SystemExit (argparse's --help does)."""
 
     def __init__(self, capsys):
         self.capsys = capsys

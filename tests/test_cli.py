@@ -129,6 +129,17 @@ CASES = {
                                      "{missing}: not a model folder"),
     "to-torchscale-bad-format": (["convert-to-torchscale", "{model}", "{out}/back.pt", "--format", "onnx"],
                                  "argument --format: invalid choice: 'onnx' (choose from 'auto', 'decoder', 'fairseq')"),
+    # lex convert-hf / convert-to-hf
+    "convert-hf-no-such-folder": (["convert-hf", "{missing}", "{out}"], "{missing}: not a model folder"),
+    "convert-hf-not-llama": (["convert-hf", "{model}", "{out}"], "model_type 'lex' is not a Llama, Mistral or Qwen2"),
+    "convert-hf-odd-window": (["convert-hf", "{model}", "{out}", "--attention_window", "x"],
+                              "argument --attention_window: 'x' is not an integer"),
+    "convert-hf-bad-mode": (["convert-hf", "{model}", "{out}", "--attention_mode", "dilated"],
+                            "argument --attention_mode: invalid choice: 'dilated'"),
+    "convert-hf-negative-sinks": (["convert-hf", "{model}", "{out}", "--attention_sinks", "-1"],
+                                  "--attention_sinks must be >= 0, got -1"),
+    "to-hf-xpos": (["convert-to-hf", "{model}", "{out}"], "LexConfig.position_embedding_type='xpos': no HF"),
+    "to-hf-no-such-folder": (["convert-to-hf", "{missing}", "{out}"], "{missing}"),
     # lex demo
     "demo-no-such-corpus": ([*DEMO, "--corpus", "{missing}"], "--corpus {missing}: not a folder"),
     "demo-not-utf8-corpus": ([*DEMO, "--corpus", "{dir}"], "--corpus {latin1}: not UTF-8 text"),
@@ -139,7 +150,7 @@ CASES = {
 }
 # what lets a command write into (or replace) an existing output folder: the refusal must still come first
 EXISTING_OK = {"train": ["--overwrite_output_dir"], "export": ["--force"], "convert-torchscale": ["--force"],
-               "convert-to-torchscale": ["--force"], "eval-length": [], "demo": [], "generate": []}
+               "convert-to-torchscale": ["--force"], "convert-hf": ["--force"], "convert-to-hf": ["--force"], "eval-length": [], "demo": [], "generate": []}
 
 
 def snapshot(folder: Path) -> dict[str, str]:
@@ -243,13 +254,14 @@ def test_console_script_prints_one_line_and_exits_2(args, expected, inputs, tmp_
 
 
 def parsers() -> dict[str, argparse.ArgumentParser]:
-    from lex.commands import convert, demo, eval_length, export, generate
+    from lex.commands import convert, convert_hf, demo, eval_length, export, generate
     from lex.commands.train import TrainArgumentParser
 
     return {"demo": demo.build_parser(), "eval-length": eval_length.build_parser(),
             "generate": generate.build_parser(), "export": export.build_parser(),
             "convert-torchscale": convert.from_torchscale_parser(),
-            "convert-to-torchscale": convert.to_torchscale_parser(), "train": TrainArgumentParser()}
+            "convert-to-torchscale": convert.to_torchscale_parser(), "convert-hf": convert_hf.convert_hf_parser(),
+            "convert-to-hf": convert_hf.convert_to_hf_parser(), "train": TrainArgumentParser()}
 
 
 def required_arguments(parser) -> list[str]:
@@ -286,7 +298,7 @@ def test_both_spellings_of_every_flag_parse_the_same_and_help_shows_one():
     for name, parser in parsers().items():
         base = required_arguments(parser)
         aliased = [a for a in parser._actions if getattr(a, "hidden_spellings", None)]
-        assert aliased or name == "convert-to-torchscale", name
+        assert aliased or name in ("convert-to-torchscale", "convert-to-hf"), name
         formatter = parser._get_formatter()
         formatter.add_arguments(parser._actions)
         listed = parser.format_usage() + formatter.format_help()  # the usage line and the flags of --help
@@ -346,7 +358,7 @@ def test_readme_command_lines_parse_as_written(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     lines = readme_command_lines()
     assert {line[0] for line in lines} == {"demo", "train", "eval-length", "generate", "convert-torchscale",
-                                          "convert-to-torchscale", "export"}
+                                          "convert-to-torchscale", "convert-hf", "convert-to-hf", "export"}
     tables = parsers()
     for name, *args in lines:
         args = [a for a in args if a != "..."]

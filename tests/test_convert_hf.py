@@ -219,7 +219,7 @@ def test_existing_output_is_refused_without_force(llama_folder, tmp_path, capsys
 
 @pytest.mark.parametrize("args, message", [
     (["--attention_mode", "bca"], "invalid choice: 'bca'"),
-    (["--attention-window", "eight"], "invalid int value"),
+    (["--attention-window", "eight"], "'eight' is not an integer"),
     (["--attention_mode", "sliding", "--attention_window", "7"], "attention_window=7"),
     (["--dtype", "float8"], "invalid choice: 'float8'"),
     (["--unknown"], "unrecognized arguments: --unknown"),
