@@ -93,10 +93,11 @@ class OutputArguments:
 
 
 def parse_overrides(text: str | None) -> dict:
-    """"a=1,b=x" -> typed values checked against LexConfig's fields (unknown keys are named)."""
+    """"a=1,b=x" -> typed values checked against LexConfig's fields and `rope_theta` (unknown keys are named)."""
     if not text:
         return {}
-    known = LexConfig.__dataclass_fields__
+    known = dict(LexConfig.__dataclass_fields__)
+    known["rope_theta"] = known["rope_parameters"]  # a keyword LexConfig takes into rope_parameters, as before
     overrides = {}
     for item in text.split(","):
         key, sep, value = item.partition("=")

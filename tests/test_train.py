@@ -530,6 +530,24 @@ def test_do_train_and_do_eval_as_in_run_clm(trained, corpus, tmp_path):
     assert not (evaluated / "model.safetensors").exists() and not (evaluated / "train_results.json").exists()
 
 
+LLAMA_SHAPED = ("norm_type=rmsnorm,mlp_type=gated,hidden_act=silu,num_key_value_heads=1,attention_bias=false,"
+                "mlp_bias=false,rope_theta=500000,attention_sinks=2")
+
+
+def test_xpos_bca_on_a_llama_shaped_model_trains(trained, corpus, tmp_path):
+    """The paper's method on today's architecture: xPos + BCA with GQA, RMSNorm and a gated SiLU MLP, from
+    --config_overrides alone."""
+    out = tmp_path / "llama_shaped"
+    assert lex(["train", "--output_dir", str(out), "--train_files", f"{corpus}/*.txt", "--config_overrides",
+                f"{TINY},num_attention_heads=2,{LLAMA_SHAPED}", "--tokenizer_name", str(trained), "--max_steps", "3",
+                "--save_strategy", "no", *BASE]) == 0
+    config = AutoModelForCausalLM.from_pretrained(out).config
+    assert (config.position_embedding_type, config.attention_mode, config.norm_type, config.mlp_type) == (
+        "xpos", "blockwise", "rmsnorm", "gated")
+    assert config.num_key_value_heads == 1 and config.rope_parameters["rope_theta"] == 500000
+    assert config.attention_sinks == 2
+
+
 def test_config_overrides_are_typed_by_the_field():
     """"none" is None only where the field may be None; position_embedding_type keeps the string "none"."""
     from configuration_lex import LexConfig
