@@ -36,45 +36,38 @@ def _gather_columns(x: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
 
 
 class LexCacheLayer(DynamicLayer):
-    """One layer's raw keys and values: S sink slots, then the window part. `update` returns them with the new
-    tokens' and keeps what the cache's stream says (the sink slots' new contents, the last `keep` window keys)."""
-
-    def __init__(self, sinks: int = 0) -> None:
-        super().__init__()
-        self.sinks = sinks
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        shape = key_states.shape[:2] + (self.sinks, key_states.shape[-1])
-        self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.is_initialized = True
+    """One layer's raw keys and values: the sink slots (none before the first dropped key), then the window part.
+    `update` returns them with the new tokens' and keeps what the cache's stream says (the sink slots' new
+    contents, the last `keep` window keys)."""
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, keep: int | None = None,
-        sink_source: torch.Tensor | None = None, *args, **kwargs,
+        sink_source: torch.Tensor | None = None, slots: int = 0, *args, **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+            self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
         keys = torch.cat([self.keys, key_states], dim=-2)
         values = torch.cat([self.values, value_states], dim=-2)
-        self.keys, self.values = (self._kept(x, keep, sink_source) for x in (keys, values))
+        self.keys, self.values = (_kept(x, slots, keep, sink_source) for x in (keys, values))
         return keys, values
 
-    def _kept(self, x: torch.Tensor, keep: int | None, sink_source: torch.Tensor | None) -> torch.Tensor:
-        window = x[:, :, self.sinks :]
-        if keep is not None:
-            window = window[:, :, window.shape[2] - keep :]
-        if sink_source is None:
-            return window if self.sinks == 0 else torch.cat([x[:, :, : self.sinks], window], dim=2)
-        return torch.cat([_gather_columns(x, sink_source), window], dim=2)
-
-    def keep_window(self, keep: int) -> None:
-        self.keys, self.values = (self._kept(x, keep, None) for x in (self.keys, self.values))
+    def keep_window(self, slots: int, keep: int) -> None:
+        self.keys, self.values = (_kept(x, slots, keep, None) for x in (self.keys, self.values))
 
     def drop_latest(self, count: int) -> None:
         if count and self.is_initialized:
             self.keys, self.values = self.keys[..., :-count, :], self.values[..., :-count, :]
+
+
+def _kept(x: torch.Tensor, slots: int, keep: int | None, sink_source: torch.Tensor | None) -> torch.Tensor:
+    """Of x (B, H, slots + window, d): the sink slots' new contents (gathered from `sink_source`, or as they are)
+    and the last `keep` window keys (all when None)."""
+    window = x[:, :, slots:]
+    if keep is not None:
+        window = window[:, :, window.shape[2] - keep :]
+    sinks = x[:, :, :slots] if sink_source is None else _gather_columns(x, sink_source)
+    return torch.cat([sinks, window], dim=2) if sinks.shape[2] else window
 
 
 class LexCache(DynamicCache):
@@ -86,8 +79,7 @@ class LexCache(DynamicCache):
     """
 
     def __init__(self, config) -> None:
-        sinks = sink_count(config)
-        Cache.__init__(self, layers=[LexCacheLayer(sinks) for _ in range(config.num_hidden_layers)])
+        Cache.__init__(self, layers=[LexCacheLayer() for _ in range(config.num_hidden_layers)])
         self.config = config
         self.stream = Stream(config)
         self._step: StreamStep | None = None
@@ -106,7 +98,7 @@ class LexCache(DynamicCache):
         return self.stream.seen
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.stream.sinks + self.held + query_length, self.seen - self.held
+        return self.stream.sink_slots + self.held + query_length, self.seen - self.held
 
     def step(self, position_ids: torch.Tensor | None, valid: torch.Tensor, caller_plain: bool) -> StreamStep:
         """Register one forward's tokens; every layer's `update` then keeps what this step says."""
@@ -114,7 +106,8 @@ class LexCache(DynamicCache):
         return self._step
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        return self.layers[layer_idx].update(key_states, value_states, self._step.keep, self.stream.sink_source)
+        slots = self._step.context.sink_index.shape[1]  # the sink slots the layer holds before this forward
+        return self.layers[layer_idx].update(key_states, value_states, self._step.keep, self.stream.sink_source, slots)
 
     @property
     def is_croppable(self) -> bool:
@@ -150,7 +143,7 @@ class LexCache(DynamicCache):
         keep = self.stream.shrink()
         for layer in self.layers:
             if layer.is_initialized:
-                layer.keep_window(keep)
+                layer.keep_window(self.stream.sink_slots, keep)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)

@@ -133,6 +133,8 @@ class Stream:
         self.base: StreamState | None = None  # (B,): the state before the oldest held token
         self.state: StreamState | None = None  # (B,): the state now
         self.sink_index = self.sink_positions = self.sink_valid = None  # (B, S)
+        # Sink slots exist once a key was dropped (before that the window part holds every sink); static: always.
+        self.sink_slots = self.sinks if static else 0
         self.record_past = False
         self.floor = 0  # the earliest stream length `roll_back` can return to, while recording
         self.removable_from: int | None = None  # tokens from this stream index on may be rolled back (see mark)
@@ -193,9 +195,9 @@ class Stream:
             query_index=query_index,
             key_index=torch.cat([self.index, query_index]),
             document_start=document_start,
-            sink_index=self.sink_index,
-            sink_positions=self.sink_positions,
-            sink_valid=self.sink_valid,
+            sink_index=self.sink_index[:, : self.sink_slots],
+            sink_positions=self.sink_positions[:, : self.sink_slots],
+            sink_valid=self.sink_valid[:, : self.sink_slots],
         )
         compiling = torch.compiler.is_compiling()
         nothing_held = self.held == 0 and not self.static
@@ -208,32 +210,36 @@ class Stream:
             aligned = bool((document_start == first).all()) and bool(((query_index[0] - first) % block == 0).all())
         all_after = StreamState(*(torch.cat([getattr(self.after, f.name), getattr(after, f.name)], dim=1)
                                   for f in fields(after)))
-        self._update_sinks(context, after.map(lambda t: t[:, -1]))
         if self.static:
             self.seen.add_(length)
         else:
             self.seen += length
-        keep = self._keep(int(context.key_index.shape[0]), context.key_index[0], all_after, self.base)
+        available = int(context.key_index.shape[0])
+        keep = self._keep(available, context.key_index[0], all_after, self.base)
+        self._update_sinks(context, after.map(lambda t: t[:, -1]), dropping=keep < available)
         self._hold(context, all_after, keep)
         return StreamStep(context, None if self.unbounded else keep, plain, aligned)
 
-    def _update_sinks(self, context: AttentionContext, now: StreamState) -> None:
+    def _update_sinks(self, context: AttentionContext, now: StreamState, dropping: bool) -> None:
         """Point each sink slot at token (current document start + j): in the window part if it lies there (its
-        column among the keys the cache returns, the sink slots first), else the slot keeps what it holds."""
-        sinks = self.sinks
-        if sinks == 0:
+        column among the keys the cache returns, the sink slots first), else the slot keeps what it holds. The
+        slots come into being with the first dropped key."""
+        sinks, slots = self.sinks, context.sink_index.shape[1]
+        if sinks == 0 or not (slots or dropping):
             self.sink_source = None
             return
         wanted = now.start[:, None] + torch.arange(sinks, device=now.start.device)  # (B, S)
         column = wanted - context.key_index[0]
         in_window = column >= 0
         column = column.clamp(0, context.key_index.shape[0] - 1)
-        exists = in_window & (wanted < self.seen + context.query_index.shape[0])
-        self.sink_source = torch.where(in_window, sinks + column, torch.arange(sinks, device=column.device))
+        exists = in_window & (wanted < self.seen)
+        slot = torch.arange(sinks, device=column.device)
+        self.sink_source = torch.where(in_window, slots + column, slot.clamp(max=max(slots - 1, 0)))
         kept = (self.sink_index == wanted) & self.sink_valid
         positions = torch.where(in_window, context.key_positions.gather(1, column), self.sink_positions)
         valid = torch.where(in_window, exists & context.key_valid.gather(1, column), kept)
         self._store(("sink_index", wanted), ("sink_positions", positions), ("sink_valid", valid))
+        self.sink_slots = sinks
 
     def _keep(self, available: int, first_index: torch.Tensor, after: StreamState, base: StreamState) -> int:
         """How many of the latest `available` window keys (from stream index `first_index`, with the state after

@@ -81,13 +81,19 @@ def fairseq_sinusoidal(positions, dim):
     return torch.tensor(rows, dtype=torch.float64)
 
 
-def visible(mode, window, n, pad):
-    """n x n bool: may query i see key j (indices in a row whose first `pad` tokens are padding)."""
+def visible(mode, window, n, pad, sinks=0):
+    """n x n bool: may query i see key j (indices in a row whose first `pad` tokens are padding).
+
+    Sinks: in blockwise and sliding modes, the document's first `sinks` tokens are seen by every later query,
+    whatever the distance (at their true positions)."""
     allowed = torch.zeros(n, n, dtype=torch.bool)
     b = window // 2
     for i in range(n):
         for j in range(i + 1):
             if j < pad:
+                continue
+            if mode != "full" and j - pad < sinks:
+                allowed[i, j] = True
                 continue
             if mode == "sliding" and i - j >= window:
                 continue
@@ -125,7 +131,7 @@ def forward(state, config, input_ids, pad=0, positions=None, maps=None, layer_sc
         x = x + fairseq_sinusoidal(positions + config.absolute_position_offset, config.hidden_size)
     if config.layernorm_embedding:
         x = ln(x, "model.layernorm_embedding")
-    allowed = visible(config.attention_mode, config.attention_window, n, pad)
+    allowed = visible(config.attention_mode, config.attention_window, n, pad, config.attention_sinks)
     alpha = (2 * config.num_hidden_layers) ** 0.25 if config.deepnorm else 1.0
     for layer in range(config.num_hidden_layers):
         p = f"model.layers.{layer}."

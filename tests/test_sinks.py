@@ -1,0 +1,155 @@
+"""Attention sinks (`attention_sinks` = S): the first S tokens of each document stay visible to every later query of
+that document in blockwise and sliding modes, at their true distance, everywhere the window is.
+
+References: the naive float64 model of tests/reference.py (which has the same rule), each packed document alone,
+and the model's own no-cache forward for the cached paths (itself held to the reference here).
+"""
+
+import pytest
+import torch
+
+import modeling_lex  # noqa: F401
+from modeling_lex import LexCache, LexStaticCache
+from tests import reference
+from tests.helpers import W, greedy, left_padded, packed, perturbed_model, prompt, tiny_config
+
+MODES = ["blockwise", "sliding", "full"]
+S = 4
+
+
+@pytest.mark.parametrize("sinks", [0, S])
+@pytest.mark.parametrize("kind", ["xpos", "rope", "alibi"])
+@pytest.mark.parametrize("mode", MODES)
+def test_left_padded_rows_equal_the_reference(mode, kind, sinks):
+    config = tiny_config(attention_mode=mode, position_embedding_type=kind, attention_sinks=sinks)
+    model = perturbed_model(config)
+    ids = torch.randint(0, 97, (3, 5 * W + 3), generator=torch.Generator().manual_seed(1))
+    pads = [0, 5, 13]
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate(pads):
+        mask[row, :pad] = 0
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask).logits
+    for row, pad in enumerate(pads):
+        expected = reference.forward(model.state_dict(), config, ids[row], pad=pad)
+        torch.testing.assert_close(logits[row, pad:].double(), expected[pad:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["xpos", "rope", "alibi"])
+@pytest.mark.parametrize("mode", ["blockwise", "sliding"])
+def test_packed_documents_each_keep_their_own_sinks(mode, kind):
+    config = tiny_config(attention_mode=mode, position_embedding_type=kind, attention_sinks=S)
+    model = perturbed_model(config)
+    docs, ids, positions = packed([3 * W + 5, 7, 2 * W + 1, 40])
+    with torch.no_grad():
+        logits = model(ids, position_ids=positions).logits[0]
+    start = 0
+    for doc in docs:
+        expected = reference.forward(model.state_dict(), config, doc)
+        torch.testing.assert_close(logits[start : start + len(doc)].double(), expected, atol=1e-5, rtol=1e-5)
+        start += len(doc)
+
+
+def test_sinks_change_what_a_window_computes_and_nothing_in_full_mode():
+    ids = prompt(1, 4 * W)
+    for mode, changes in (("sliding", True), ("blockwise", True), ("full", False)):
+        without = perturbed_model(tiny_config(attention_mode=mode))
+        with_sinks = perturbed_model(tiny_config(attention_mode=mode, attention_sinks=S))
+        with torch.no_grad():
+            a, b = without(ids).logits, with_sinks(ids).logits
+        torch.testing.assert_close(a[:, :W], b[:, :W])  # inside the first window the sinks are in view anyway
+        assert (a - b).abs().max() > 1e-3 if changes else torch.equal(a, b), mode
+
+
+@pytest.mark.parametrize("mode", ["blockwise", "sliding"])
+def test_cached_reading_equals_one_forward_and_holds_at_most_s_plus_w_minus_1(mode):
+    """Prefill of a left-padded batch, then one token at a time: every step's logits are the no-cache forward's,
+    and no layer ever holds more than S + w - 1 keys."""
+    model = perturbed_model(tiny_config(attention_mode=mode, attention_sinks=S))
+    _, ids, mask = left_padded([3 * W + 5, W + 2])
+    prefix = 2 * W + 1
+    cache = LexCache(model.config)
+    held = []
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask).logits
+        steps = [model(ids[:, :prefix], attention_mask=mask[:, :prefix], past_key_values=cache).logits]
+        held.append(cache.layers[0].keys.shape[2])
+        for t in range(prefix, ids.shape[1]):
+            steps.append(model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache).logits)
+            held.append(max(layer.keys.shape[2] for layer in cache.layers))
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+    assert max(held) <= S + W - 1 and cache.layers[0].keys.shape[2] == S + cache.held
+
+
+@pytest.mark.parametrize("mode", ["blockwise", "sliding"])
+def test_generate_equals_repeated_full_forwards(mode):
+    """Greedy generate() with the bounded cache picks the argmax of a no-cache forward over the whole sequence at
+    every step, with logits to match, far past the window."""
+    model = perturbed_model(tiny_config(attention_mode=mode, attention_sinks=S))
+    ids = prompt(1, 2 * W + 3)
+    out = greedy(model, ids, max_new_tokens=4 * W)
+    sequence = ids
+    with torch.no_grad():
+        for step in range(4 * W):
+            logits = model(sequence).logits[:, -1]
+            torch.testing.assert_close(out.logits[step], logits, atol=1e-4, rtol=1e-4)
+            sequence = torch.cat([sequence, logits.argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out.sequences, sequence)
+
+
+@pytest.mark.parametrize("mode", ["blockwise", "sliding", "full"])
+def test_static_cache_slots_and_tokens(mode):
+    """min(w - 1 + S, max_cache_len) slots (full mode: max_cache_len); the tokens of the default cache."""
+    model = perturbed_model(tiny_config(attention_mode=mode, attention_sinks=S))
+    assert LexStaticCache(model.config, max_cache_len=10).layers[0].get_max_length() == 10
+    long = LexStaticCache(model.config, max_cache_len=200).layers[0].get_max_length()
+    assert long == (200 if mode == "full" else W - 1 + S)
+    _, ids, mask = left_padded([2 * W + 3, 9])
+    for new in (3, 3 * W):  # a generation shorter than the window (fewer slots) and one past it
+        default = greedy(model, ids, attention_mask=mask, max_new_tokens=new)
+        static = greedy(model, ids, attention_mask=mask, max_new_tokens=new, cache_implementation="static")
+        assert torch.equal(static.sequences, default.sequences)
+        torch.testing.assert_close(torch.stack(static.logits), torch.stack(default.logits), atol=1e-4, rtol=1e-4)
+    short = greedy(model, ids[:, -9:], attention_mask=mask[:, -9:], max_new_tokens=3, cache_implementation="static")
+    assert short.past_key_values.layers[0].keys.shape[2] == 11  # generate() asks for max_length - 1 = 11 < w - 1 + S
+
+
+def test_assisted_and_prompt_lookup_decoding_with_sinks_equal_greedy():
+    """Rollback with sink slots: a smaller assistant and prompt lookup give greedy's tokens and logits."""
+    model = perturbed_model(tiny_config(attention_mode="sliding", attention_sinks=S))
+    assistant = perturbed_model(tiny_config(attention_mode="blockwise", attention_window=8, attention_sinks=2,
+                                            num_hidden_layers=1), seed=3)
+    assistant.generation_config.num_assistant_tokens = 4
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    assistant.generation_config.assistant_confidence_threshold = 0.0
+    ids = torch.cat([prompt(1, 12, seed=3)] * 4, dim=1)  # repeats, so that prompt lookup finds candidates
+    expected = greedy(model, ids, max_new_tokens=3 * W)
+    for options in (dict(assistant_model=assistant), dict(prompt_lookup_num_tokens=5)):
+        out = greedy(model, ids, max_new_tokens=3 * W, **options)
+        assert torch.equal(out.sequences, expected.sequences)
+        torch.testing.assert_close(torch.stack(out.logits), torch.stack(expected.logits), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["blockwise", "sliding"])
+def test_attention_maps_show_the_sinks(mode):
+    """output_attentions over a long input: (batch, heads, T, T) maps equal to the reference's, sinks included."""
+    config = tiny_config(attention_mode=mode, attention_sinks=S)
+    model = perturbed_model(config)
+    model.set_attn_implementation("eager")
+    ids = prompt(1, 3 * W)
+    with torch.no_grad():
+        maps = model(ids, output_attentions=True).attentions
+    for got, expected in zip(maps, reference.attention_maps(model.state_dict(), config, ids[0])):
+        torch.testing.assert_close(got[0].double(), expected, atol=1e-5, rtol=1e-5)
+    assert (maps[0][0, :, -1, :S] > 0).all()  # the last query, far past the window, still sees the sinks
+
+
+def test_generation_maps_cover_the_sink_slots():
+    model = perturbed_model(tiny_config(attention_mode="sliding", attention_sinks=S))
+    model.set_attn_implementation("eager")
+    out = greedy(model, prompt(1, 2 * W), max_new_tokens=W, output_attentions=True)
+    for maps in out.attentions[1:]:
+        for layer_map in maps:  # the sink slots, the held window and the new token
+            assert layer_map.shape == (1, 2, 1, S + W)
+            torch.testing.assert_close(layer_map.sum(-1), torch.ones(1, 2, 1))
+            assert (layer_map[..., :S] > 0).all()
