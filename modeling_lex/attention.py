@@ -65,6 +65,12 @@ class AttentionPlan:
     tiles: list[Tile]
     sink_slots: int  # S': the cache's sink slots, which come first among the keys it returns
     attention_maps: bool = False  # one dense tile over every key, whose weights are the full attention map
+    token_factors: tuple[torch.Tensor, torch.Tensor] | None = None  # (B, 1, T, d): per-token encodings (RoPE)
+
+    def encode_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """The new tokens' queries or keys (B, H, T, d) encoded at their own positions, for methods that are
+        per token (the cache then holds encoded keys); unchanged otherwise."""
+        return x if self.token_factors is None else apply_rotary(x, *self.token_factors)
 
 
 def window_visible(config, q_index: torch.Tensor, k_index: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
@@ -272,23 +278,27 @@ def build_plan(
     """
     ctx = step.context
     total, n_keys = ctx.query_positions.shape[1], ctx.key_positions.shape[1]
-    slots, window = ctx.sink_index.shape[1], config.attention_window
+    window = config.attention_window
+    plan = AttentionPlan([], ctx.sink_index.shape[1], attention_maps)
+    if positions.per_token:
+        plan.token_factors = tuple(f.unsqueeze(1) for f in positions.token_factors(ctx.query_positions))
     if total <= window or attention_maps or ctx.allowed is not None:  # a 4D mask is O(T * K) already
         plain = step.plain and not attention_maps
-        tiles = [_dense_tile(config, positions, ctx, slice(0, total), slice(0, n_keys), dtype, plain)]
-        return AttentionPlan(tiles, slots, attention_maps)
-    if config.attention_mode != "full":
+        plan.tiles = [_dense_tile(config, positions, ctx, slice(0, total), slice(0, n_keys), dtype, plain)]
+    elif config.attention_mode != "full":
         if step.plain and step.aligned and not sink_count(config):  # the first w queries plainly causal, then one pattern
             first = _dense_tile(config, positions, ctx, slice(0, window), slice(0, window), dtype, plain=True)
-            return AttentionPlan([first, _uniform_chunked_tile(config, positions, ctx, dtype, window)], slots)
-        return AttentionPlan([_chunked_tile(config, positions, ctx, dtype, step.aligned)], slots)
-    cached = n_keys - total
-    tiles = [
-        _dense_tile(config, positions, ctx, slice(start, min(start + window, total)),
-                    slice(0, cached + min(start + window, total)), dtype, plain=False)
-        for start in range(0, total, window)
-    ]
-    return AttentionPlan(tiles, slots)
+            plan.tiles = [first, _uniform_chunked_tile(config, positions, ctx, dtype, window)]
+        else:
+            plan.tiles = [_chunked_tile(config, positions, ctx, dtype, step.aligned)]
+    else:
+        cached = n_keys - total
+        plan.tiles = [
+            _dense_tile(config, positions, ctx, slice(start, min(start + window, total)),
+                        slice(0, cached + min(start + window, total)), dtype, plain=False)
+            for start in range(0, total, window)
+        ]
+    return plan
 
 
 def eager_attention_forward(

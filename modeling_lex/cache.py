@@ -1,8 +1,9 @@
 """The bounded KV caches: exactly what the next queries of the blockwise/sliding forward can see.
 
-Keys are stored before any position encoding (as the reference fork does), with their position ids, so each
-step re-encodes its keys relative to the current window: decoding at token 10^6 uses the same numbers as decoding
-at token 0. A layer holds its S sink slots (the first `attention_sinks` tokens of each row's document, kept once
+Keys are stored before any position encoding that depends on the window (as the reference fork does), with
+their position ids, so each step re-encodes its keys relative to the current window: decoding at token 10^6 uses
+the same numbers as decoding at token 0. (RoPE, a pure rotation, is the exception: its keys are stored rotated at
+their own positions, angles taken in float64, since its scores depend on m - n alone.) A layer holds its S sink slots (the first `attention_sinks` tokens of each row's document, kept once
 the window has moved past them) followed by its window part; between forwards that is at most
   - blockwise: S + the previous full block and the current partial one (b to w - 1 keys, b = w/2), dropping a
     whole block when the current one fills; rows count blocks from their own document's first token, and the

@@ -128,6 +128,7 @@ class LexAttention(nn.Module):
         query = self.q_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
         key = self.k_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
         value = self.v_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
+        query, key = plan.encode_tokens(query), plan.encode_tokens(key)
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
         dropout = self.config.attention_dropout if self.training else 0.0

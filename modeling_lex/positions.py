@@ -32,6 +32,10 @@ class PositionMethod:
 
     torchscale = True  # TorchScale's Decoder computes it (convert-torchscale / convert-to-torchscale)
     llama = False  # transformers' Llama, Mistral and Qwen2 compute it (convert-to-hf)
+    # Whether each token's encoding depends on its own position alone (a pure rotation, whose scores depend on
+    # m - n whatever the anchor): queries and keys are then encoded once, at their position ids, before the
+    # cache, instead of relative to every tile's anchor.
+    per_token = False
 
     def __init__(self, config) -> None:
         self.config = config
@@ -47,6 +51,9 @@ class PositionMethod:
 
     def learned_bias(self, attention: nn.Module, distance: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"position_embedding_type={self.config.position_embedding_type!r} learns no bias")
+
+    def token_factors(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise TypeError(f"position_embedding_type={self.config.position_embedding_type!r} is not per token")
 
 
 class Sinusoidal(PositionMethod):
@@ -86,11 +93,21 @@ class XPos(Rotary):
 
 
 class Rope(Rotary):
-    """RoPE: rotation only (what Llama, Mistral and Qwen2 use)."""
+    """RoPE: rotation only (what Llama, Mistral and Qwen2 use). A rotation's scores depend on m - n alone, so each
+    token is rotated once by its own position id (angles in float64, exact at any position) and the cache keeps
+    rotated keys: decoding re-encodes nothing, as in Llama."""
 
     decay = False
     torchscale = False
     llama = True
+    per_token = True
+
+    def terms(self, q_rel: torch.Tensor, k_rel: torch.Tensor) -> PositionTerms:
+        return PositionTerms()
+
+    def token_factors(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) at each position id, (..., head_dim) float32."""
+        return rotary_factors(positions, self.inverse_frequencies, None, self.scale)
 
 
 class Decay(Rotary):

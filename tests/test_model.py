@@ -85,8 +85,8 @@ def test_rope_equals_hf_rotary_up_to_pair_layout():
     expected = q_hf @ k_hf.transpose(-1, -2)
 
     method = position_method(LexConfig(hidden_size=d, num_attention_heads=1, position_embedding_type="rope"))
-    factors = method.terms(positions[0], positions[0]).factors
-    ours = apply_rotary(q, factors[0], factors[1]) @ apply_rotary(k, factors[2], factors[3]).transpose(-1, -2)
+    cos, sin = method.token_factors(positions[0])
+    ours = apply_rotary(q, cos, sin) @ apply_rotary(k, cos, sin).transpose(-1, -2)
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-5)
 
 
