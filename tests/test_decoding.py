@@ -172,13 +172,14 @@ def test_crop_refuses_what_it_cannot_restore(weights):
 # ---------------------------------------------------------------- compiled decoding with the static cache
 
 
-def test_compiled_static_cache_reads_a_padded_batch_past_the_window():
+@pytest.mark.parametrize("sinks", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_compiled_static_cache_reads_a_padded_batch_past_the_window(sinks):
     """Prompts of 100 and 60 tokens, left-padded, window 16: the compiled (fullgraph) prefill and decoding give
-    eager's tokens, and a second generate() of the same shapes compiles no new graph."""
+    eager's tokens, and a second generate() of the same shapes compiles no new graph (with sink slots too)."""
     torch._dynamo.reset()
     counters.clear()
     model = build(trained_model(tiny_config(max_position_embeddings=16, num_hidden_layers=1), steps=20).state_dict(),
-                  num_hidden_layers=1, attention_mode="blockwise", attention_window=16)
+                  num_hidden_layers=1, attention_mode="blockwise", attention_window=16, attention_sinks=sinks)
     _, ids, mask = left_padded([100, 60])
     options = dict(attention_mask=mask, cache_implementation="static")
     eager = greedy(model, ids, 20, **options)
