@@ -1,6 +1,12 @@
-"""Model folders: checking and loading one (or a Hub id) for evaluation and generation, with LEX config
-overrides; the config a trained or exported model is saved with."""
+"""Model folders: checking and loading one (or a Hub id) for evaluation and generation, with attention
+overrides; the config a trained or exported model is saved with.
 
+Three kinds of causal LM take part: a LEX model (any attention mode, window and sinks, set on its config), a
+Llama, Mistral or Qwen2 checkpoint (as published, or converted in memory to a LEX model for another attention
+mode: convert.hf.lex_from_hf), and any other causal LM (as published only).
+"""
+
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal, get_args
@@ -9,6 +15,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import modeling_lex  # noqa: F401  (registers the Auto classes)
+from configuration_lex import ATTENTION_MODES
+from convert.hf import SOURCE_TYPES, lex_from_hf
 
 from .data import DataError
 
@@ -39,11 +47,70 @@ def model_config(path: str | Path, what: str, tokenizer: bool = False):
     return config
 
 
-def load_model(path: str, attention_mode: str | None = None, device: str = "cpu", dtype: Dtype = "float32"):
-    """A causal LM in eval mode on `device`; `attention_mode` overrides a LEX model's (None: the folder's)."""
-    overrides = {"attention_mode": attention_mode} if attention_mode else {}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **overrides)
-    return model.to(device).eval()
+def attention_modes(config, modes: list[str]) -> tuple[list[str], str | None]:
+    """The attention modes of `modes` that a model of `config` can be run in, and a line saying which do not
+    apply and why (None when all do): a LEX or Llama-family model takes every mode, another causal LM only its
+    own full attention."""
+    if config.model_type == "lex" or config.model_type in SOURCE_TYPES:
+        return list(modes), None
+    kept, dropped = [m for m in modes if m == "full"], [m for m in modes if m != "full"]
+    if not dropped:
+        return kept, None
+    return kept, (f"a {config.model_type!r} model is scored as published (full attention); "
+                  f"{', '.join(dropped)} do not apply: only LEX models and {', '.join(SOURCE_TYPES)} checkpoints "
+                  "(converted in memory) take an attention mode")
+
+
+def load_model(
+    path: str, attention_mode: str | None = None, device: str = "cpu", dtype: Dtype = "float32",
+    attention_window: int | None = None, attention_sinks: int | None = None,
+):
+    """A causal LM in eval mode on `device`. For a LEX folder the arguments override its config (None: the
+    folder's). A Llama, Mistral or Qwen2 folder loads as published unless a windowed mode, a window or sinks
+    are asked for: then it is converted in memory (`convert.hf.lex_from_hf`, no second copy of the weights).
+    Another causal LM loads as published and refuses the overrides."""
+    config = model_config(path, "MODEL")
+    if config.model_type == "lex":
+        overrides = {k: v for k, v in (("attention_mode", attention_mode), ("attention_window", attention_window),
+                                       ("attention_sinks", attention_sinks)) if v is not None}
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **overrides)
+        return model.to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+    return with_attention(model, attention_mode, attention_window, attention_sinks, str(path))
+
+
+def with_attention(model, attention_mode: str | None = None, attention_window: int | None = None,
+                   attention_sinks: int | None = None, name: str = "MODEL"):
+    """A loaded non-LEX causal LM as published (no override, or plain full attention), or a Llama-family one
+    converted in memory to a LEX model in `attention_mode` with `attention_window` and `attention_sinks`."""
+    if attention_mode in (None, "full") and attention_window is None and not attention_sinks:
+        return model
+    if model.config.model_type not in SOURCE_TYPES:
+        raise DataError(f"{name}: a {model.config.model_type!r} model runs as published; attention_mode, "
+                        f"attention_window and attention_sinks apply to LEX models and to "
+                        f"{', '.join(SOURCE_TYPES)} checkpoints (converted in memory)")
+    if attention_mode is not None and attention_mode not in ATTENTION_MODES:
+        raise DataError(f"attention_mode={attention_mode!r}: allowed: {', '.join(ATTENTION_MODES)}")
+    return lex_from_hf(model, attention_mode, attention_window, attention_sinks or 0).eval()
+
+
+def attention_variants(
+    path: str, modes: list[str], sinks: list[int], device: str = "cpu", dtype: Dtype = "float32",
+    attention_window: int | None = None,
+) -> Iterator[tuple[str, int, torch.nn.Module]]:
+    """(attention_mode, attention_sinks, model) for each mode of `modes` with each of `sinks`, one model alive
+    at a time; full attention once (sinks change nothing there), and a non-LEX, non-Llama-family model in full
+    attention only (`attention_modes` says so). A Llama-family folder is read once and converted per mode."""
+    config = model_config(path, "MODEL")
+    modes, _ = attention_modes(config, modes)
+    pairs = [(mode, s) for mode in modes for s in (sinks if mode != "full" else [0])]
+    if config.model_type == "lex":
+        for mode, s in pairs:
+            yield mode, s, load_model(path, mode, device, dtype, attention_window, s)
+        return
+    source = load_model(path, None, device, dtype)
+    for mode, s in pairs:
+        yield mode, s, with_attention(source, mode, None if mode == "full" else attention_window, s, str(path))
 
 
 def has_tokenizer(folder: str | Path) -> bool:

@@ -42,8 +42,9 @@ def probe(model, tokenizer, distances: list[int], trials: int = 5, seed: int = 0
     return rows
 
 
-def passkey_rows(model, tokenizer, name: str, trials: int = 5) -> list[dict]:
-    """`probe` at w/4, w/2, w, 2w and 4w tokens (w: the model's attention window), rows labelled with `name`."""
-    w = model.config.attention_window
+def passkey_rows(model, tokenizer, name: str, trials: int = 5, **labels) -> list[dict]:
+    """`probe` at w/4, w/2, w, 2w and 4w tokens (w: the model's attention window; a model without one, its
+    training length), rows labelled with `name` and `labels` (attention mode, sinks)."""
+    w = getattr(model.config, "attention_window", None) or model.config.max_position_embeddings
     distances = sorted({w // 4, w // 2, w, 2 * w, 4 * w})
-    return [{"model": name, "window": w, **row} for row in probe(model, tokenizer, distances, trials)]
+    return [{"model": name, **labels, "window": w, **row} for row in probe(model, tokenizer, distances, trials)]

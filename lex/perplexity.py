@@ -20,10 +20,8 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
-from modeling_lex import LexCache, LexForCausalLM
-
 from .data import DataError, tokenized_documents
-from .models import load_model
+from .models import attention_variants
 
 # The two ways to score a length (module docstring): the one source of the choices.
 Protocol = Literal["segments", "strided"]
@@ -46,20 +44,22 @@ HEAD_TOKENS = 1024  # at most this many positions (summed over the batch) have v
 def _scored_states(model, ids: torch.Tensor) -> tuple[Iterator[tuple[int, torch.Tensor]], Callable]:
     """(first position, states) pieces covering `ids`, and the head that turns a slice of states into logits.
 
-    A LEX model reads the window 2w tokens at a time through a fresh LexCache (the incremental form of its
-    forward), so blockwise and sliding attention hold O(w) keys and activations for any length; full attention
-    keeps every key, by nature. 2w rather than w: a forward of more than w new tokens runs each query against
-    its <= w keys, one of w or fewer against all w + held keys (measured at w = 1024 on one CPU thread: 0.73
-    against 0.83 s per 1,024 tokens). Other causal LMs give their logits in one forward.
+    A LEX model (ours, one converted from a Llama checkpoint, or one loaded from an exported folder through remote
+    code) reads the window 2w tokens at a time through the cache its first forward makes (the incremental form
+    of its forward), so blockwise and sliding attention hold O(w) keys and activations for any length; full
+    attention keeps every key, by nature. 2w rather than w: a forward of more than w new tokens runs each query
+    against its <= w keys, one of w or fewer against all w + held keys (measured at w = 1024 on one CPU thread:
+    0.73 against 0.83 s per 1,024 tokens). Other causal LMs give their logits in one forward, as published.
     """
-    if not isinstance(model, LexForCausalLM):
+    if model.config.model_type != "lex":
         return iter([(0, model(ids).logits)]), nn.Identity()
 
     def stream() -> Iterator[tuple[int, torch.Tensor]]:
-        cache, step = LexCache(model.config), 2 * model.config.attention_window
+        cache, step = None, 2 * model.config.attention_window
         for start in range(0, ids.shape[1], step):
-            chunk = ids[:, start : start + step]
-            yield start, model.model(input_ids=chunk, past_key_values=cache, use_cache=True).last_hidden_state
+            out = model.model(input_ids=ids[:, start : start + step], past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            yield start, out.last_hidden_state
 
     return stream(), model.lm_head
 
@@ -137,24 +137,34 @@ def perplexity_by_length(
     return results
 
 
+def score_rows(
+    model, documents: list[torch.Tensor], lengths: list[int], protocols: tuple[Protocol, ...] = PROTOCOLS,
+    batch_size: int = 8, progress: bool = False, labels: dict | None = None,
+) -> Iterator[tuple[str, list[dict]]]:
+    """(protocol, rows) of one loaded model: rows of {**labels, protocol, length, training_length, ppl, tokens}
+    (labels: the model's name, attention mode and sinks)."""
+    for protocol in protocols:
+        scores = perplexity_by_length(model, documents, lengths, protocol, batch_size, progress)
+        yield protocol, [{**(labels or {}), "protocol": protocol, "length": length,
+                          "training_length": model.config.max_position_embeddings, "ppl": s.ppl, "tokens": s.tokens}
+                         for length, s in scores.items()]
+
+
 def evaluations(
     path: str, texts: list[str], lengths: list[int], modes: list[str], device: str = "cpu", batch_size: int = 8,
     protocols: tuple[Protocol, ...] = PROTOCOLS, progress: bool = True, label: str | None = None,
-) -> Iterator[tuple[str, str, list[dict]]]:
-    """(mode, protocol, rows) for one model folder, one attention mode loaded at a time: rows of
-    {model, attention_mode, protocol, length, training_length, ppl, tokens}."""
+    sinks: tuple[int, ...] = (0,), attention_window: int | None = None,
+) -> Iterator[tuple[str, int, str, list[dict]]]:
+    """(mode, sinks, protocol, rows) for one model folder, one (attention mode, sinks) at a time
+    (lex.models.attention_variants): rows of {model, attention_mode, attention_sinks, protocol, length,
+    training_length, ppl, tokens}."""
     documents = tokenized_documents(AutoTokenizer.from_pretrained(path), texts)
-    for mode in modes:
-        model = load_model(path, mode, device)
-        for protocol in protocols:
-            scores = perplexity_by_length(model, documents, lengths, protocol, batch_size, progress)
-            yield mode, protocol, [
-                {"model": label or Path(path).name, "attention_mode": mode, "protocol": protocol, "length": length,
-                 "training_length": model.config.max_position_embeddings, "ppl": s.ppl, "tokens": s.tokens}
-                for length, s in scores.items()
-            ]
+    for mode, s, model in attention_variants(path, modes, list(sinks), device, attention_window=attention_window):
+        labels = {"model": label or Path(path).name, "attention_mode": mode, "attention_sinks": s}
+        for protocol, rows in score_rows(model, documents, lengths, protocols, batch_size, progress, labels):
+            yield mode, s, protocol, rows
 
 
 def evaluate_model(path: str, texts: list[str], lengths: list[int], modes: list[str], **options) -> list[dict]:
     """All rows of `evaluations` (same arguments) in one list."""
-    return [row for _, _, rows in evaluations(path, texts, lengths, modes, **options) for row in rows]
+    return [row for *_, rows in evaluations(path, texts, lengths, modes, **options) for row in rows]

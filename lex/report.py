@@ -16,6 +16,12 @@ GROUP_LABELS = {"model": "model", "attention_mode": "attention", "protocol": "pr
 # ---------------------------------------------------------------- Markdown tables
 
 
+def attention_label(row: dict) -> str:
+    """How a row's attention reads in a table: its mode, with its sinks when it has any ("sliding + 4 sinks")."""
+    mode, sinks = row.get("attention_mode", ""), row.get("attention_sinks", 0)
+    return f"{mode} + {sinks} sinks" if sinks else mode
+
+
 def markdown_table(header: list[str], rows: list[list]) -> str:
     """A GitHub Markdown table; cells are written with str()."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -30,7 +36,8 @@ def length_table(records: list[dict], keys: tuple[str, ...] | None = None) -> st
     lengths = sorted({r["length"] for r in records})
     groups: dict[tuple, dict[int, float]] = {}
     for record in records:
-        groups.setdefault(tuple(str(record.get(k, "")) for k in keys), {})[record["length"]] = record["ppl"]
+        group = tuple(attention_label(record) if k == "attention_mode" else str(record.get(k, "")) for k in keys)
+        groups.setdefault(group, {})[record["length"]] = record["ppl"]
     rows = [[*group, *(f"{values[n]:.2f}" if n in values else "-" for n in lengths)]
             for group, values in groups.items()]
     return markdown_table([GROUP_LABELS[k] for k in keys] + [str(n) for n in lengths], rows)
@@ -51,9 +58,9 @@ def resolution_table(rows: list[dict]) -> str:
 
 def passkey_table(rows: list[dict]) -> str:
     return markdown_table(
-        ["model", "window", "distance", "accuracy", "key NLL/token"],
-        [[r["model"], r["window"], r["distance"], f"{r['accuracy']:.2f}", f"{r['key_nll_per_token']:.2f}"]
-         for r in rows],
+        ["model", "attention", "window", "distance", "accuracy", "key NLL/token"],
+        [[r["model"], attention_label(r), r["window"], r["distance"], f"{r['accuracy']:.2f}",
+          f"{r['key_nll_per_token']:.2f}"] for r in rows],
     )
 
 
@@ -77,7 +84,7 @@ def tables(rows: list[dict], resolution_rows: list[dict], length: int) -> list[t
 
 
 def _ppl(rows: list[dict], model: str, mode: str, protocol: str, length: int) -> float:
-    (value,) = [r["ppl"] for r in rows if (r["model"], r["attention_mode"], r["protocol"], r["length"])
+    (value,) = [r["ppl"] for r in rows if (r["model"], attention_label(r), r["protocol"], r["length"])
                 == (model, mode, protocol, length)]
     return value
 
@@ -95,7 +102,7 @@ def reading(rows: list[dict], resolution_rows: list[dict], length: int) -> list[
     length, the two protocols, and resolution. Nothing is claimed that the rows do not show."""
     longest = max(r["length"] for r in rows)
     models = list(dict.fromkeys(r["model"] for r in rows))
-    modes = list(dict.fromkeys(r["attention_mode"] for r in rows))
+    modes = list(dict.fromkeys(attention_label(r) for r in rows))
     lines = [f"From l = {length} to {longest // length}·l = {longest} tokens (the paper's protocol):"]
     for model in models:
         for mode in modes:
@@ -108,12 +115,12 @@ def reading(rows: list[dict], resolution_rows: list[dict], length: int) -> list[
             lines.append(f"- {model}: {full:.2f} with full attention, {block:.2f} with BCA ({block / full - 1:+.2%}).")
     for protocol in ("segments", "strided"):
         best = min((r for r in rows if r["protocol"] == protocol and r["length"] == longest), key=lambda r: r["ppl"])
-        lines.append(f"\nBest at {longest} tokens ({protocol} protocol): {best['model']} with {best['attention_mode']} "
+        lines.append(f"\nBest at {longest} tokens ({protocol} protocol): {best['model']} with {attention_label(best)} "
                      f"attention, perplexity {best['ppl']:.2f}.")
     shortest = min(r["length"] for r in rows)
     lines.append("\nThe two protocols (strided against segments, mean over models and attention modes):")
     for n in (shortest, length, longest):
-        pairs = [(r["ppl"], _ppl(rows, r["model"], r["attention_mode"], "strided", n))
+        pairs = [(r["ppl"], _ppl(rows, r["model"], attention_label(r), "strided", n))
                  for r in rows if r["protocol"] == "segments" and r["length"] == n]
         mean = sum(strided / segments - 1 for segments, strided in pairs) / len(pairs)
         lines.append(f"- at {n} tokens the strided protocol is {abs(mean):.1%} {'lower' if mean < 0 else 'higher'}.")
@@ -162,8 +169,8 @@ def perplexity_figure(rows: list[dict]):
     fig, axes = plt.subplots(1, len(protocols), figsize=(6 * len(protocols), 4), squeeze=False)
     for ax, protocol in zip(axes[0], protocols):
         selected = [r for r in rows if r["protocol"] == protocol]
-        for key in dict.fromkeys((r["model"], r["attention_mode"]) for r in selected):
-            points = sorted((r["length"], r["ppl"]) for r in selected if (r["model"], r["attention_mode"]) == key)
+        for key in dict.fromkeys((r["model"], attention_label(r)) for r in selected):
+            points = sorted((r["length"], r["ppl"]) for r in selected if (r["model"], attention_label(r)) == key)
             ax.plot(*zip(*points), marker="o", linestyle="-" if key[1] == "full" else "--",
                     label=f"{key[0]} / {key[1]}")
         for training_length in {r["training_length"] for r in selected}:

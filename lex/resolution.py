@@ -61,7 +61,8 @@ def expected_scores(model, windows: list[torch.Tensor]) -> torch.Tensor:
             raise RuntimeError(f"expected_scores expects one dense {length} x {length} attention tile per layer, "
                                f"got queries {tuple(query.shape)} against keys {tuple(key.shape)} in layer "
                                f"{module.layer_idx}")
-        scores = (query.double() @ key.double().transpose(-1, -2)) * scaling
+        key_per_query = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)  # grouped-query attention
+        scores = (query.double() @ key_per_query.double().transpose(-1, -2)) * scaling
         if position_bias is not None:
             scores = scores + position_bias.double()
         if attention_mask is not None and attention_mask.dtype != torch.bool:

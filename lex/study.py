@@ -142,7 +142,7 @@ def evaluate_with_progress(folder: Path, name: str, texts: list[str], lengths: l
     rows = []
     with tqdm(total=len(MODES) * len(PROTOCOLS) * len(lengths), desc=f"evaluate {name}", unit="length",
               dynamic_ncols=True) as bar:
-        for mode, protocol, scored in evaluations(str(folder), texts, lengths, list(MODES), device, progress=False,
+        for mode, _, protocol, scored in evaluations(str(folder), texts, lengths, list(MODES), device, progress=False,
                                                   label=name):
             bar.set_postfix(attention=mode, protocol=protocol)
             bar.update(len(lengths))

@@ -114,26 +114,29 @@ def test_in_memory_conversion_shares_the_weights_and_ties_the_head():
     assert untied.lm_head.weight is not untied.model.embed_tokens.weight
 
 
-def reference_mask(mode: str, length: int, window: int) -> torch.Tensor:
+def reference_mask(mode: str, length: int, window: int, sinks: int = 0) -> torch.Tensor:
     """DESIGN §3 as an additive (1, 1, n, n) mask: blockwise = blocks of w/2, a query sees its own block and the
-    previous one (causally); sliding = a query at p sees p-w+1 ... p."""
+    previous one (causally); sliding = a query at p sees p-w+1 ... p; the first `sinks` keys are seen by every
+    later query (at their true positions: the source's own position ids)."""
     query, key = torch.arange(length)[:, None], torch.arange(length)[None, :]
     if mode == "blockwise":
         block = window // 2
         allowed = (key <= query) & (key // block >= query // block - 1)
     else:
         allowed = (key <= query) & (key > query - window)
+    allowed |= (key <= query) & (key < sinks)
     return torch.zeros(length, length).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
 
 
+@pytest.mark.parametrize("sinks", [0, 4])
 @pytest.mark.parametrize("window", [4, 8, 16])
 @pytest.mark.parametrize("mode", ["blockwise", "sliding"])
 @pytest.mark.parametrize("name", ["llama_gqa_llama3_untied", "qwen2_qkv_biases_tied"])
-def test_windowed_conversion_equals_the_source_under_its_mask(name, mode, window):
+def test_windowed_conversion_equals_the_source_under_its_mask(name, mode, window, sinks):
     source = source_model(name)
-    model = lex_from_hf(source, attention_mode=mode, attention_window=window)
+    model = lex_from_hf(source, attention_mode=mode, attention_window=window, attention_sinks=sinks)
     length = 40  # 20 blocks of w = 4, 5 of w = 16
-    mask = reference_mask(mode, length, window)
+    mask = reference_mask(mode, length, window, sinks)
     tokens = ids(2, length)
     expected = logits(source, tokens, attention_mask=mask.expand(2, 1, length, length))
     torch.testing.assert_close(logits(model, tokens), expected, atol=1e-4, rtol=0)

@@ -17,6 +17,7 @@ from lex.data import kjv_books, train_tokenizer
 from lex.resolution import analytic_curve, expected_scores, resolution
 from modeling_lex import LexForCausalLM
 from tests import reference
+from tests.helpers import perturb
 
 METRIC = Path(__file__).resolve().parents[1] / "lex" / "metrics" / "length_perplexity"
 
@@ -231,7 +232,132 @@ def test_eval_length_cli_writes_everything(folder, texts, tmp_path, capsys):
     assert "| model | attention | 8 | 16 | 64 |" in printed and "resolution" in printed and "passkey" in printed
     rows = json.loads((out / "results.json").read_text())
     assert {r["attention_mode"] for r in rows} == {"full", "blockwise", "sliding"} and len(rows) == 3 * 2 * 3
-    assert (out / "results.csv").read_text().startswith("model,attention_mode,protocol,length")
+    assert (out / "results.csv").read_text().startswith("model,attention_mode,attention_sinks,protocol,length")
     for name in ("ppl_vs_length.png", "resolution.png", "resolution.json", "passkey.json"):
         assert (out / name).stat().st_size > 0, name
 
+
+
+# ---------------------------------------------------------------- any causal LM folder: Llama, GPT-2, remote code
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory) -> Path:
+    """A tiny Llama checkpoint (GQA, trained at l = 16) saved by transformers, with a BPE tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("llama")
+    tokenizer = train_tokenizer([b["text"] for b in kjv_books()[:2]], vocab_size=300)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+    perturb(LlamaForCausalLM(config), seed=0).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def masked_nll(path: Path, texts: list[str], budget: int, mask: torch.Tensor | None) -> float:
+    """Perplexity of each text's first `budget` tokens read in one window by transformers' own class, under an
+    explicit additive 4D mask (None: its causal mask)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+    nll, count = 0.0, 0
+    for text in texts:
+        ids = torch.tensor([tokenizer(text, add_special_tokens=False).input_ids[:budget]])
+        with torch.no_grad():
+            logits = model(ids, attention_mask=mask).logits[0, :-1]
+        nll += torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum").item()
+        count += budget - 1
+    return math.exp(nll / count)
+
+
+def window_mask(mode: str, length: int, window: int, sinks: int) -> torch.Tensor:
+    """DESIGN §3's windows with sinks as an additive (1, 1, n, n) mask, from tests/reference.py's rule."""
+    allowed = reference.visible(mode, window, length, pad=0, sinks=sinks)
+    return torch.zeros(length, length).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
+
+
+def test_eval_length_on_a_llama_folder_reads_every_mode_with_and_without_sinks(llama_folder, texts, tmp_path,
+                                                                              capsys):
+    """Full attention is the checkpoint as published; sliding and blockwise (w = 8) with 0 and 4 sinks are the
+    checkpoint converted in memory, each equal to transformers' Llama under that window's explicit 4D mask."""
+    files = tmp_path / "docs"
+    files.mkdir()
+    for i, text in enumerate(texts):
+        (files / f"doc{i}.txt").write_text(text)
+    out = tmp_path / "eval"
+    assert lex(["eval-length", str(llama_folder), "--files", f"{files}/*.txt", "--lengths", "8,48",
+                "--attention_modes", "full,sliding,blockwise", "--attention_sinks", "0,4", "--attention_window", "8",
+                "--protocols", "strided", "--output_dir", str(out), "--passkey", "--resolution"]) == 0
+    printed = capsys.readouterr().out
+    assert "| sliding + 4 sinks |" in printed and "| blockwise |" in printed
+    rows = json.loads((out / "results.json").read_text())
+    assert {(r["attention_mode"], r["attention_sinks"]) for r in rows} == {
+        ("full", 0), ("sliding", 0), ("sliding", 4), ("blockwise", 0), ("blockwise", 4)}
+    assert (out / "results.csv").read_text().startswith("model,attention_mode,attention_sinks,protocol,length")
+    at_48 = {(r["attention_mode"], r["attention_sinks"]): r["ppl"] for r in rows if r["length"] == 48}
+    assert at_48["full", 0] == pytest.approx(masked_nll(llama_folder, texts, 48, None), rel=1e-5)
+    for mode in ("sliding", "blockwise"):
+        for sinks in (0, 4):
+            expected = masked_nll(llama_folder, texts, 48, window_mask(mode, 48, 8, sinks))
+            assert at_48[mode, sinks] == pytest.approx(expected, rel=1e-5), (mode, sinks)
+    assert len({round(p, 6) for p in at_48.values()}) == 5  # the five readings differ at 6 windows
+    passkey = json.loads((out / "passkey.json").read_text())
+    assert {(r["attention_mode"], r["attention_sinks"]) for r in passkey} == set(at_48)
+    (resolution_row,) = json.loads((out / "resolution.json").read_text())
+    assert len(resolution_row["resolution_per_layer"]) == 2  # q k^T over 4 query heads and 2 KV heads
+
+
+def test_eval_length_scores_a_gpt2_folder_as_published_and_says_which_modes_do_not_apply(texts, tmp_path, capsys):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    folder = tmp_path / "gpt2"
+    tokenizer = train_tokenizer([b["text"] for b in kjv_books()[:2]], vocab_size=300)
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2, n_positions=64)
+                    ).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    files = tmp_path / "doc.txt"
+    files.write_text(texts[0])
+    out = tmp_path / "eval"
+    assert lex(["eval-length", str(folder), "--files", str(files), "--lengths", "8,16", "--attention_modes",
+                "full,blockwise,sliding", "--attention_sinks", "0,4", "--output_dir", str(out)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "do not apply" in line]
+    assert lines == ["gpt2: a 'gpt2' model is scored as published (full attention); blockwise, sliding do not "
+                     "apply: only LEX models and llama, mistral, qwen2 checkpoints (converted in memory) take an "
+                     "attention mode"]
+    rows = json.loads((out / "results.json").read_text())
+    assert {(r["attention_mode"], r["attention_sinks"]) for r in rows} == {("full", 0)}
+    assert rows[-1]["ppl"] == pytest.approx(masked_nll(folder, [texts[0]], 16, None), rel=1e-5)
+
+
+def test_evaluating_a_converted_llama_does_not_grow_with_the_document(llama_folder):
+    """Sliding + 4 sinks, w = 32 after conversion in memory: the largest tensor at 32w tokens is that at 2w."""
+    from convert.hf import lex_from_hf
+    from transformers import AutoModelForCausalLM
+
+    source = AutoModelForCausalLM.from_pretrained(llama_folder).eval()
+    model = lex_from_hf(source, attention_mode="sliding", attention_window=32, attention_sinks=4).eval()
+    short, long = largest_tensor(model, 64), largest_tensor(model, 1024)
+    assert long <= 1.02 * short
+
+
+def test_a_model_loaded_through_remote_code_is_streamed(folder, tmp_path):
+    """An exported folder's model class, as transformers imports it from the folder's code (where this package is
+    not installed, trust_remote_code loads exactly that class): the evaluator reads it through its own cache,
+    never with n x vocab logits, and scores it as the package's model does."""
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    exported = tmp_path / "exported"
+    assert lex(["export", str(folder), str(exported)]) == 0
+    auto_map = json.loads((exported / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"]
+    remote_class = get_class_from_dynamic_module(auto_map, str(exported))
+    remote = remote_class.from_pretrained(exported, attention_mode="sliding").eval()
+    assert not isinstance(remote, LexForCausalLM) and type(remote).__name__ == "LexForCausalLM"
+    short, long = largest_tensor(remote, 64), largest_tensor(remote, 1024)
+    assert long <= 1.02 * short and long < 1024 * remote.config.vocab_size * 4
+    ours = LexForCausalLM.from_pretrained(folder, attention_mode="sliding").eval()
+    document = torch.randint(0, ours.config.vocab_size, (200,), generator=torch.Generator().manual_seed(3))
+    scores = [perplexity.perplexity_by_length(m, [document], [200], "strided")[200].nll for m in (remote, ours)]
+    assert scores[0] == pytest.approx(scores[1], rel=1e-6)

@@ -181,6 +181,21 @@ def positive_ints(text: str) -> list[int]:
     return values
 
 
+def non_negative_ints(text: str) -> tuple[int, ...]:
+    """An argparse type: comma-separated integers >= 0, e.g. 0,4."""
+    values = []
+    for item in text.split(","):
+        try:
+            value = int(item.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r} is not an integer (comma-separated integers >= 0, "
+                                             "e.g. 0,4)") from None
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"{value} must be >= 0 (comma-separated integers >= 0, e.g. 0,4)")
+        values.append(value)
+    return tuple(dict.fromkeys(values))
+
+
 def positive_float(text: str) -> float:
     """An argparse type: a finite number > 0."""
     try:

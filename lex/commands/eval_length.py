@@ -1,9 +1,11 @@
-"""`lex eval-length MODEL... --files GLOB --lengths 256,512 --attention_modes full,blockwise --output_dir DIR`
+"""`lex eval-length MODEL... --files GLOB --lengths 256,512 --attention_modes full,blockwise --attention_sinks 0,4
+--output_dir DIR`
 
 Perplexity by evaluation length (lex.perplexity: the paper's "segments" protocol and a "strided" one) for LEX
-folders in any attention mode, or any causal LM. Prints the tables and writes results.csv, results.json and
-ppl_vs_length.png; with --resolution the attention resolution per layer (resolution.json, resolution.png), with
---passkey the passkey probe (passkey.json).
+folders and Llama, Mistral or Qwen2 folders (full attention as published; the other modes converted in memory)
+in every attention mode with each number of attention sinks, and for any other causal LM as published. Prints the
+tables and writes results.csv, results.json and ppl_vs_length.png; with --resolution the attention resolution
+per layer (resolution.json, resolution.png), with --passkey the passkey probe for every mode (passkey.json).
 """
 
 import argparse
@@ -15,11 +17,12 @@ from transformers import AutoTokenizer
 
 from configuration_lex import ATTENTION_MODES
 from convert.staging import atomic_files
-from lex.commands import LexArgumentParser, comma_list, positive_int, positive_ints
-from lex.data import DataError, evaluation_texts
-from lex.models import load_model, model_config
+from convert.hf import SOURCE_TYPES, lex_from_hf
+from lex.commands import LexArgumentParser, comma_list, non_negative_ints, positive_int, positive_ints
+from lex.data import DataError, evaluation_texts, tokenized_documents
+from lex.models import attention_modes, attention_variants, model_config
 from lex.passkey import passkey_rows
-from lex.perplexity import PROTOCOLS, evaluate_model
+from lex.perplexity import PROTOCOLS, score_rows
 from lex.report import passkey_table, plot_resolution, protocol_table, resolution_table, write_results
 from lex.resolution import analytic_curves, resolution_rows
 
@@ -33,6 +36,11 @@ def build_parser() -> LexArgumentParser:
     parser.add_argument("--attention_modes", default="full,blockwise",
                         type=comma_list(ATTENTION_MODES),
                         help=f"comma-separated: {','.join(ATTENTION_MODES)}")
+    parser.add_argument("--attention_sinks", default=(0,), type=non_negative_ints,
+                        help="comma-separated numbers of attention sinks for blockwise and sliding modes, e.g. 0,4")
+    parser.add_argument("--attention_window", type=positive_int,
+                        help="the window of blockwise and sliding modes (default: the model's; a converted "
+                             "checkpoint's, its training length)")
     parser.add_argument("--protocols", default=",".join(PROTOCOLS), type=comma_list(PROTOCOLS),
                         help=f"comma-separated: {','.join(PROTOCOLS)}")
     parser.add_argument("--output_dir", type=Path, required=True)
@@ -55,24 +63,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    notes = {}
     for path in args.model:
         config = model_config(path, "MODEL", tokenizer=True)
-        if args.resolution and config.model_type != "lex":
-            raise DataError(f"--resolution reads a LEX model's attention scores; {path} holds a "
-                            f"{config.model_type!r} model")
+        if args.resolution and config.model_type not in ("lex", *SOURCE_TYPES):
+            raise DataError(f"--resolution reads a LEX model's attention scores (or a converted "
+                            f"{'/'.join(SOURCE_TYPES)} one's); {path} holds a {config.model_type!r} model")
+        _, notes[path] = attention_modes(config, list(args.attention_modes))
     texts = evaluation_texts(args.files)
     rows, resolution, curves, passkey = [], [], {}, []
     for path in args.model:
-        rows += evaluate_model(path, texts, args.lengths, list(args.attention_modes), device=args.device,
-                               batch_size=args.batch_size, protocols=args.protocols)
-        if args.resolution or args.passkey:
-            model, tokenizer = load_model(path, None, args.device), AutoTokenizer.from_pretrained(path)
-            name = Path(path).name
-            if args.resolution:
-                row, curves[name] = resolution_rows(model, tokenizer, name, texts)
-                resolution.append(row)
+        name, tokenizer = Path(path).name, AutoTokenizer.from_pretrained(path)
+        if notes[path]:
+            print(f"{name}: {notes[path]}")
+        documents = tokenized_documents(tokenizer, texts)
+        for mode, sinks, model in attention_variants(path, list(args.attention_modes), list(args.attention_sinks),
+                                                     args.device, attention_window=args.attention_window):
+            labels = dict(attention_mode=mode, attention_sinks=sinks)
+            for _, scored in score_rows(model, documents, args.lengths, args.protocols, args.batch_size, True,
+                                        {"model": name, **labels}):
+                rows += scored
             if args.passkey:
-                passkey += passkey_rows(model, tokenizer, name)
+                passkey += passkey_rows(model, tokenizer, name, **labels)
+            if args.resolution and name not in curves:  # windows of w tokens: one dense tile in every mode
+                scored_model = model if model.config.model_type == "lex" else lex_from_hf(model)
+                row, curves[name] = resolution_rows(scored_model, tokenizer, name, texts)
+                resolution.append(row)
     with atomic_files(args.output_dir) as staging:
         write_results(rows, staging)
         if args.resolution:

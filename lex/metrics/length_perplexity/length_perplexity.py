@@ -33,7 +33,9 @@ Args:
     model_id (str): a model folder or Hub id (a LEX folder, or any causal LM).
     lengths (list[int]): evaluation lengths; every length is scored on the same tokens.
     protocol (str): "segments" (default) or "strided".
-    attention_mode (str, optional): override a LEX model's attention_mode ("full", "blockwise", "sliding").
+    attention_mode (str, optional): override a LEX model's attention_mode ("full", "blockwise", "sliding"); a
+        Llama, Mistral or Qwen2 model is converted in memory for "blockwise" and "sliding".
+    attention_window (int, optional), attention_sinks (int, optional): override the window and the sinks.
     batch_size (int): windows per forward. device (str): "cpu" (default) or "cuda".
     progress (bool): a progress bar in tokens read.
 Returns:
@@ -52,8 +54,9 @@ class LengthPerplexity(evaluate.Metric):
         )
 
     def _compute(self, predictions, model_id, lengths, protocol="segments", attention_mode=None, batch_size=8,
-                 device="cpu", progress=False):
-        model = load_model(model_id, attention_mode, device)
+                 device="cpu", progress=False, attention_window=None, attention_sinks=None):
+        model = load_model(model_id, attention_mode, device, attention_window=attention_window,
+                           attention_sinks=attention_sinks)
         documents = tokenized_documents(AutoTokenizer.from_pretrained(model_id), predictions)
         scores = perplexity_by_length(model, documents, sorted(lengths), protocol, batch_size, progress)
         return {
