@@ -15,7 +15,17 @@ from transformers.testing_utils import CaptureLogger
 import modeling_lex  # noqa: F401
 from modeling_lex import LexCache
 from tests import reference
-from tests.helpers import PAD, W, greedy, left_padded, perturbed_model, prompt, tiny_config, word_tokenizer
+from tests.helpers import (
+    PAD,
+    W,
+    greedy,
+    left_padded,
+    perturb,
+    perturbed_model,
+    prompt,
+    tiny_config,
+    word_tokenizer,
+)
 
 KINDS = ["xpos", "rope", "decay", "alibi", "kerple", "sandwich", "sinusoidal", "none"]
 
@@ -420,3 +430,49 @@ def test_sdpa_serves_query_groups_without_copying_keys(monkeypatch):
         out = model(ids, use_cache=True)
         model(prompt(1, 1, seed=4), past_key_values=out.past_key_values)
     assert calls == []
+
+
+# ---------------------------------------------------------------- a Llama checkpoint
+
+
+def test_cli_continues_a_llama_folder_through_a_window_with_sinks(tmp_path, capsys):
+    """`lex generate LLAMA --attention_mode sliding --attention_window 8 --attention_sinks 4`: the continuation is
+    transformers' own Llama decoding greedily under the explicit sliding + sinks mask over the whole sequence,
+    and the cache holds S + w - 1 = 11 positions; without the flags the folder runs as published."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lex.cli import main as lex
+
+    tokenizer, words = word_tokenizer()
+    torch.manual_seed(0)
+    source = reference_llama = perturb(LlamaForCausalLM(LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16, pad_token_id=0, eos_token_id=None, bos_token_id=None)),
+        seed=0).eval()
+    source.save_pretrained(tmp_path / "llama")
+    tokenizer.save_pretrained(tmp_path / "llama")
+    text = " ".join(words[(7 * i) % 96] for i in range(40))
+    (tmp_path / "prompt.txt").write_text(text)
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    sequence = ids
+    for _ in range(12):
+        n = sequence.shape[1]
+        allowed = reference.visible("sliding", 8, n, pad=0, sinks=4)
+        mask = torch.zeros(n, n).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
+        with torch.no_grad():
+            following = reference_llama(sequence, attention_mask=mask).logits[:, -1].argmax(-1, keepdim=True)
+        sequence = torch.cat([sequence, following], 1)
+    expected = tokenizer.decode(sequence[0, ids.shape[1] :])
+    assert lex(["generate", str(tmp_path / "llama"), "--prompt_file", str(tmp_path / "prompt.txt"),
+                "--max_new_tokens", "12", "--attention_mode", "sliding", "--attention_window", "8",
+                "--attention_sinks", "4"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.split() == expected.split()
+    assert "sliding attention, window 8, 4 attention sinks" in captured.err
+    assert "the cache holds 11 positions per layer" in captured.err
+    assert lex(["generate", str(tmp_path / "llama"), "--prompt-file", str(tmp_path / "prompt.txt"),
+                "--max-new-tokens", "3"]) == 0
+    captured = capsys.readouterr()
+    as_published = source.generate(ids, max_new_tokens=3, do_sample=False, attention_mask=torch.ones_like(ids))
+    assert captured.out.split() == tokenizer.decode(as_published[0, ids.shape[1] :]).split()
+    assert "llama as published" in captured.err and f"the cache holds {ids.shape[1] + 2} positions" in captured.err

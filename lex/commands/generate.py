@@ -1,7 +1,9 @@
 """`lex generate MODEL --prompt_file FILE --max_new_tokens N`: continue a long document with the bounded cache.
 
 generate() reads the prompt window by window (a progress bar counts it), then streams the continuation to
-stdout. In blockwise and sliding modes memory stays O(window) however long the prompt is.
+stdout. In blockwise and sliding modes memory stays O(window + sinks) however long the prompt is. MODEL is a LEX
+folder, or a Llama, Mistral or Qwen2 folder: as published by default (its own cache, which grows with the
+document), converted in memory to a LEX model by --attention_mode / --attention_window / --attention_sinks.
 """
 
 import argparse
@@ -16,15 +18,15 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, TextStreamer
 
 from configuration_lex import ATTENTION_MODES
-from lex.commands import LexArgumentParser
+from convert.hf import SOURCE_TYPES
+from lex.commands import LexArgumentParser, positive_int
 from lex.data import DataError, check_text_file
 from lex.models import DTYPES, load_model, model_config
-from modeling_lex import LexCache
 
 
 def build_parser() -> LexArgumentParser:
     parser = LexArgumentParser("generate", description=__doc__)
-    parser.add_argument("model", help="a LEX model folder (or Hub id) with its tokenizer")
+    parser.add_argument("model", help="a LEX, Llama, Mistral or Qwen2 model folder (or Hub id) with its tokenizer")
     parser.add_argument("--prompt_file", type=Path, required=True, help="UTF-8 text to continue")
     parser.add_argument("--max_new_tokens", type=int, default=200)
     parser.add_argument("--do_sample", action="store_true", help="sample instead of greedy decoding")
@@ -33,7 +35,11 @@ def build_parser() -> LexArgumentParser:
     parser.add_argument("--top_p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--attention_mode", choices=ATTENTION_MODES,
-                        help="override the model's attention_mode")
+                        help="override the model's attention_mode (a Llama-family model is converted in memory)")
+    parser.add_argument("--attention_window", type=positive_int,
+                        help="override the window of blockwise and sliding modes (even, >= 4)")
+    parser.add_argument("--attention_sinks", type=int,
+                        help="the first N tokens stay visible to every later token in blockwise and sliding modes")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--no_progress", action="store_true", help="no progress bar while reading the prompt")
@@ -47,6 +53,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"{parser.flag('max_new_tokens')} must be >= 1, got {args.max_new_tokens}")
     if not args.temperature > 0:
         parser.error(f"{parser.flag('temperature')} must be > 0, got {args.temperature}")
+    if args.attention_sinks is not None and args.attention_sinks < 0:
+        parser.error(f"{parser.flag('attention_sinks')} must be >= 0, got {args.attention_sinks}")
     if args.top_k < 0:
         parser.error(f"{parser.flag('top_k')} must be >= 0, got {args.top_k}")
     if not 0 < args.top_p <= 1:
@@ -61,8 +69,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not args.prompt.strip():
         raise DataError(f"{flag} {args.prompt_file}: the file holds no text")
     config = model_config(args.model, "MODEL", tokenizer=True)
-    if config.model_type != "lex":
-        raise DataError(f"MODEL {args.model} holds a {config.model_type!r} model; lex generate runs LEX models")
+    if config.model_type not in ("lex", *SOURCE_TYPES):
+        raise DataError(f"MODEL {args.model} holds a {config.model_type!r} model; lex generate runs LEX models and "
+                        f"{', '.join(SOURCE_TYPES)} checkpoints")
     return args
 
 
@@ -87,22 +96,28 @@ def prompt_progress(model, length: int, enabled: bool) -> Iterator[None]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
-    model = load_model(args.model, args.attention_mode, args.device, args.dtype)
+    model = load_model(args.model, args.attention_mode, args.device, args.dtype, args.attention_window,
+                       args.attention_sinks)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(args.device)
     if input_ids.shape[1] == 0:
         raise DataError(f"{args.prompt_file} holds no tokens of the model's tokenizer")
     config = model.config
-    print(f"prompt: {input_ids.shape[1]} tokens; {config.attention_mode} attention, window "
-          f"{config.attention_window}; training length {config.max_position_embeddings}", file=sys.stderr)
-    cache = LexCache(config)
-    long_prompt = input_ids.shape[1] >= 2 * config.attention_window
+    if config.model_type == "lex":
+        sinks = f", {config.attention_sinks} attention sinks" if config.attention_mode != "full" else ""
+        reading = f"{config.attention_mode} attention, window {config.attention_window}{sinks}"
+    else:
+        reading = (f"{config.model_type} as published (its cache grows with the document; --attention_mode "
+                   "sliding or blockwise bounds it)")
+    print(f"prompt: {input_ids.shape[1]} tokens; {reading}; training length {config.max_position_embeddings}",
+          file=sys.stderr)
+    long_prompt = config.model_type == "lex" and input_ids.shape[1] >= 2 * config.attention_window  # read by windows
     start = time.perf_counter()
     with prompt_progress(model, input_ids.shape[1], enabled=long_prompt and not args.no_progress):
         output = model.generate(
             input_ids,
             attention_mask=torch.ones_like(input_ids),  # the prompt has no padding, even if it holds the pad token
-            past_key_values=cache,
+            return_dict_in_generate=True,  # for the cache generate() made: LexCache for a LEX model
             max_new_tokens=args.max_new_tokens,
             do_sample=args.do_sample,
             temperature=args.temperature,
@@ -112,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             streamer=TextStreamer(tokenizer, skip_prompt=True),
         )
     seconds = time.perf_counter() - start
-    new = output.shape[1] - input_ids.shape[1]
+    new = output.sequences.shape[1] - input_ids.shape[1]
     print(f"read the prompt and generated {new} tokens in {seconds:.1f} s; the cache holds "
-          f"{cache.layers[0].keys.shape[2]} positions per layer", file=sys.stderr)
+          f"{output.past_key_values.layers[0].keys.shape[2]} positions per layer", file=sys.stderr)
     return 0
