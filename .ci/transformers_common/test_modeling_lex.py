@@ -1,0 +1,69 @@
+"""transformers' shared CausalLM model tests (tests/causal_lm_tester.py) run against LEX, out of tree.
+
+Copied by run.sh into the checkout built by /work/shared/transformers-common-tests/setup.sh as
+tests/models/lex/test_modeling_lex.py, the way tests/models/llama/test_modeling_llama.py is written in transformers.
+The environment variable LEX_COMMON_CONFIG picks the configuration under test:
+  default       the tester's defaults (seq_length 7; attention_window = max_position_embeddings = 512)
+  small_window  attention_window=4, seq_length=11: the window is shorter than the sequence (bounded cache)
+  llama         a Llama-shaped LEX: 4 heads / 2 KV heads (GQA), RMSNorm, gated SiLU MLP, RoPE with llama3 scaling
+"""
+
+import os
+import unittest
+
+from transformers import is_torch_available
+from transformers.testing_utils import require_torch
+
+from ...causal_lm_tester import CausalLMModelTest, CausalLMModelTester
+
+from configuration_lex import LexConfig
+
+if is_torch_available():
+    from modeling_lex import LexForCausalLM, LexModel
+
+LEX_COMMON_CONFIG = os.environ.get("LEX_COMMON_CONFIG", "default")
+
+# The tester's attributes whose names are LexConfig fields go into the config (CausalLMModelTester.get_config);
+# the others (seq_length, batch_size, ...) shape the inputs.
+_MAX_POSITION_EMBEDDINGS = 512  # transformers.testing_utils._TEXT_MODEL_TESTER_DEFAULTS["max_position_embeddings"]
+CONFIG_OVERRIDES = {
+    "default": {},
+    "small_window": {"attention_window": 4, "seq_length": 11},
+    "llama": {
+        "max_position_embeddings": _MAX_POSITION_EMBEDDINGS,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "norm_type": "rmsnorm",
+        "mlp_type": "gated",
+        "hidden_act": "silu",
+        "position_embedding_type": "rope",
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": _MAX_POSITION_EMBEDDINGS,
+        },
+    },
+}
+if LEX_COMMON_CONFIG not in CONFIG_OVERRIDES:
+    raise ValueError(f"LEX_COMMON_CONFIG={LEX_COMMON_CONFIG!r}: expected one of {', '.join(CONFIG_OVERRIDES)}")
+
+
+class LexModelTester(CausalLMModelTester):
+    config_class = LexConfig
+    if is_torch_available():
+        base_model_class = LexModel
+        causal_lm_class = LexForCausalLM
+
+    def __init__(self, parent, **kwargs):
+        # copies, so that no test can change the table (rope_parameters is a dict)
+        overrides = {k: (dict(v) if isinstance(v, dict) else v) for k, v in CONFIG_OVERRIDES[LEX_COMMON_CONFIG].items()}
+        overrides.update(kwargs)
+        super().__init__(parent, **overrides)
+
+
+@require_torch
+class LexModelTest(CausalLMModelTest, unittest.TestCase):
+    model_tester_class = LexModelTester
