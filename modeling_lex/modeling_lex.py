@@ -285,14 +285,19 @@ class LexForCausalLM(LexPreTrainedModel, GenerationMixin):
         self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
     ) -> None:
         """generate() gets a LexCache (bounded in blockwise/sliding modes), or with cache_implementation="static"
-        a LexStaticCache of fixed shapes, unless the caller passed a cache."""
+        a LexStaticCache of fixed shapes, unless the caller passed a cache. As transformers' own static caches, a
+        static one is sized for the largest length asked so far (and `max_cache_len`), so that a later, shorter
+        generate() keeps the compiled shapes."""
         if model_kwargs.get("past_key_values") is not None or generation_config.use_cache is False:
             return super()._prepare_cache_for_generation(
                 generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
             )
         implementation = generation_config.cache_implementation
         if implementation == "static":
-            model_kwargs["past_key_values"] = LexStaticCache(self.config, max_cache_len=max_cache_length)
+            length = max(max_cache_length, generation_config.max_cache_len or 0,
+                         getattr(self, "_previous_max_cache_length", 0))
+            self._previous_max_cache_length = length
+            model_kwargs["past_key_values"] = LexStaticCache(self.config, max_cache_len=length)
         elif implementation in (None, "dynamic"):
             model_kwargs["past_key_values"] = LexCache(self.config)
         else:

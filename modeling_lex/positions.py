@@ -71,6 +71,7 @@ class Rotary(PositionMethod):
         head_dim, rope = config.head_dim, config.rope_parameters
         self.inverse_frequencies, self.scale = None, 1.0
         if self.rotate:
+            config.validate_rope_type()  # again: a config changed after it was built (rope_type="dynamic") is refused
             if rope["rope_type"] == "default":
                 self.inverse_frequencies = inverse_frequencies(head_dim, rope["rope_theta"], torch.device("cpu"))
             else:  # transformers' own frequencies and attention factor, never a copy (on the CPU, also while

@@ -239,3 +239,21 @@ def test_chunk_map_slots():
     assert query_slots.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 9, 9]]
     assert key_slots[0].tolist() == [1, 2, 3, 4, 5, 6, 7, 8] and exists[0].all()  # 5 cached keys, 4 of them reached
     assert key_slots[2, -3:].tolist() == [14, 14, 14] and exists[2].tolist() == [True] * 6 + [False] * 2
+
+
+def test_a_shorter_compiled_generation_reuses_the_static_shapes():
+    """Prompt 7 and window 64: the static cache holds min(w - 1 + S, max_cache_len) slots, so a second generate()
+    with fewer new tokens would shrink it and recompile; sized for the largest length asked so far (as
+    transformers' static caches are), it compiles no new graph and gives eager's tokens."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = build(trained_model(tiny_config(max_position_embeddings=16, num_hidden_layers=1), steps=20).state_dict(),
+                  num_hidden_layers=1, attention_mode="sliding", attention_window=64)
+    ids = markov_batch(2, 7, seed=5)
+    eager = greedy(model, ids, 2, cache_implementation="static")
+    model.forward = torch.compile(model.forward, backend="eager", fullgraph=True)
+    greedy(model, ids, 5, cache_implementation="static")
+    graphs = counters["stats"]["unique_graphs"]
+    assert torch.equal(greedy(model, ids, 2, cache_implementation="static"), eager)
+    assert 0 < graphs == counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
