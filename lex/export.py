@@ -126,8 +126,11 @@ def model_card(config, parameters: int, repo_name: str, license_name: str, has_t
                        '`attention_mode="blockwise"` (a config override), which reads any length in '
                        f"O(n·{window}) memory.")
     else:
+        sinks = config.attention_sinks
+        plus = f" plus the document's first {sinks} tokens (attention sinks)" if sinks else ""
         long_inputs = (f"Inputs may be far longer than the training length: attention only ever looks at {window} "
-                       f"keys, and `generate()` keeps a cache of at most {window} positions per layer.")
+                       f"keys{plus}, and `generate()` keeps a cache of at most {window - 1 + sinks} positions per "
+                       "layer.")
     load = ["from transformers import AutoModelForCausalLM, AutoTokenizer", "",
             f'model = AutoModelForCausalLM.from_pretrained("{repo_name}", trust_remote_code=True)']
     if has_tokenizer:
@@ -152,6 +155,7 @@ def model_card(config, parameters: int, repo_name: str, license_name: str, has_t
             ["training length", f"{length} tokens"],
             ["attention mode", mode],
             ["attention window", f"{window} tokens"],
+            ["attention sinks", str(config.attention_sinks)],
             ["position embedding", config.position_embedding_type],
             ["parameters", f"{parameters:,}"],
             ["layers / hidden / heads",

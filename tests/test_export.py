@@ -137,6 +137,7 @@ def test_model_card_front_matter_training_length_and_results(exported):
                      "tags": ["lex", "xpos", "length-extrapolation", "custom_code"]}
     assert f"| training length | {TRAINING_LENGTH} tokens |" in text and "| attention mode | blockwise |" in text
     assert "| attention window | 16 tokens |" in text and "blocks of 8 tokens" in text
+    assert "| attention sinks | 0 |" in text and "a cache of at most 15 positions per layer" in text
     assert 'from_pretrained("lex-tiny", trust_remote_code=True)' in text
     assert "| model | attention | protocol | 16 | 64 | 256 |" in text
     assert "| m | blockwise | segments | 10.16 | 10.64 | 12.56 |" in text
@@ -157,6 +158,13 @@ def test_model_card_for_full_attention_and_other_results_files(model, tmp_path):
     assert "| attention mode | full |" in text and 'attention_mode="blockwise"' in text
     assert "| 8 | 32 |\n|---|---|\n| 4.00 | 5.00 |" in text
     assert "tokenizer" not in text.split("## How to load")[1]  # none was given
+    model.config.attention_mode, model.config.attention_sinks = "sliding", 4
+    try:
+        text = (export(model, tmp_path / "sinks") / "README.md").read_text()
+    finally:
+        model.config.attention_mode, model.config.attention_sinks = "blockwise", 0
+    assert "| attention sinks | 4 |" in text and "first 4 tokens (attention sinks)" in text
+    assert "a cache of at most 19 positions per layer" in text  # w - 1 + S
     (tmp_path / "empty.json").write_text("[]")
     with pytest.raises(ExportError, match="'length' and 'ppl'"):
         export(model, tmp_path / "no-results", results=tmp_path / "empty.json")
