@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Literal, get_args
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import modeling_lex  # noqa: F401  (registers the Auto classes)
@@ -73,7 +74,12 @@ def load_model(
     if config.model_type == "lex":
         overrides = {k: v for k, v in (("attention_mode", attention_mode), ("attention_window", attention_window),
                                        ("attention_sinks", attention_sinks)) if v is not None}
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **overrides)
+        try:  # from_pretrained sets overrides after the config is built: validate them as construction would
+            config = AutoConfig.from_pretrained(path, **overrides)
+            config.validate()
+        except (StrictDataclassError, ValueError) as error:
+            raise DataError(" ".join(str(error).split())) from None
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=getattr(torch, dtype))
         return model.to(device).eval()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
     return with_attention(model, attention_mode, attention_window, attention_sinks, str(path))
