@@ -64,20 +64,46 @@ def passkey_table(rows: list[dict]) -> str:
     )
 
 
-def tables(rows: list[dict], resolution_rows: list[dict], length: int) -> list[tuple[str, str]]:
-    """(title, Markdown table) of the paper's Tables 2, 5 (both protocols) and 3, in reading order."""
+PASSKEY_DISTANCES = {0.25: "w/4", 0.5: "w/2", 1: "w", 2: "2w", 4: "4w"}  # lex.passkey.passkey_rows' distances
+
+
+def passkey_accuracy_table(rows: list[dict]) -> str:
+    """Passkey rows as one row per (model, attention) and one column per distance in windows w (the attention
+    window; the training length in full attention): "accuracy (key NLL per token)"."""
+    groups: dict[tuple, dict[str, str]] = {}
+    for r in rows:
+        cells = groups.setdefault((r["model"], attention_label(r), r["window"]), {})
+        cells[PASSKEY_DISTANCES.get(r["distance"] / r["window"], str(r["distance"]))] = (
+            f"{r['accuracy']:.2f} ({r['key_nll_per_token']:.2f})")
+    columns = list(dict.fromkeys([*PASSKEY_DISTANCES.values(), *(c for cells in groups.values() for c in cells)]))
+    return markdown_table(["model", "attention", "w", *(f"{c} back" for c in columns)],
+                          [[*group, *(cells.get(c, "-") for c in columns)] for group, cells in groups.items()])
+
+
+def tables(rows: list[dict], resolution_rows: list[dict], length: int,
+           passkey: list[dict] | None = None) -> list[tuple[str, str]]:
+    """(title, Markdown table) of the paper's Tables 2, 5 (both protocols) and 3, and passkey retrieval when
+    there are passkey rows, in reading order."""
     by_paper = [r for r in rows if r["protocol"] == "segments"]
     paper_rows = [r for r in by_paper if r["attention_mode"] == "full"]
     paper_rows += [dict(r, model=f"{r['model']} + BCA") for r in by_paper
-                   if r["attention_mode"] == "blockwise" and r["model"] == "xpos"]
-    return [
+                   if r["attention_mode"] == "blockwise" and r["model"] == "xpos" and not r.get("attention_sinks")]
+    more = (" (and the converted checkpoint's sliding windows and attention sinks)"
+            if any(r["attention_mode"] == "sliding" or r.get("attention_sinks") for r in rows) else "")
+    out = [
         (f"Table 2: perplexity by evaluation length (trained at l={length}; the paper's protocol: "
          "non-overlapping segments)", protocol_table(paper_rows, "segments")),
-        ("Table 5: with (blockwise) and without (full) blockwise causal attention", protocol_table(rows, "segments")),
+        (f"Table 5: with (blockwise) and without (full) blockwise causal attention{more}",
+         protocol_table(rows, "segments")),
         ("The same with the strided protocol (every token scored with as much context as the length allows)",
          protocol_table(rows, "strided")),
         ("Table 3: attention resolution (eq. 3)", resolution_table(resolution_rows)),
     ]
+    if passkey:
+        out.append(("Passkey retrieval: accuracy (key NLL per token) by distance back from the question; w: the "
+                    "attention window (full attention: the training length l)",
+                    passkey_accuracy_table(passkey)))
+    return out
 
 
 # ---------------------------------------------------------------- the reading of a study
@@ -97,22 +123,35 @@ def _change(before: float, after: float) -> str:
     return f"{'rises' if ratio > 0 else 'falls'} by {abs(ratio):.1%}"
 
 
-def reading(rows: list[dict], resolution_rows: list[dict], length: int) -> list[str]:
-    """Sentences that read the numbers: each row past l, BCA against full attention, the best row at the longest
-    length, the two protocols, and resolution. Nothing is claimed that the rows do not show."""
+def reading(rows: list[dict], resolution_rows: list[dict], length: int, passkey: list[dict] | None = None) -> list[str]:
+    """Sentences that read the numbers: each row past l, BCA against full attention, windows with sinks against
+    full attention (models read with sinks), the best row at the longest length, the two protocols, resolution,
+    and passkey retrieval by distance. Each model is read in its own readings (attention mode and sinks). Nothing
+    is claimed that the rows do not show."""
     longest = max(r["length"] for r in rows)
     models = list(dict.fromkeys(r["model"] for r in rows))
-    modes = list(dict.fromkeys(attention_label(r) for r in rows))
+    labels = {m: list(dict.fromkeys(attention_label(r) for r in rows if r["model"] == m)) for m in models}
     lines = [f"From l = {length} to {longest // length}·l = {longest} tokens (the paper's protocol):"]
     for model in models:
-        for mode in modes:
+        for mode in labels[model]:
             at_l, far = (_ppl(rows, model, mode, "segments", n) for n in (length, longest))
             lines.append(f"- {model}, {mode} attention: perplexity {_change(at_l, far)} past l ({at_l:.2f} → {far:.2f}).")
-    if "full" in modes and "blockwise" in modes:
+    compared = [m for m in models if {"full", "blockwise"} <= set(labels[m])]
+    if compared:
         lines.append(f"\nBlockwise causal attention (BCA) against full attention at {longest} tokens:")
-        for model in models:
+        for model in compared:
             full, block = (_ppl(rows, model, mode, "segments", longest) for mode in ("full", "blockwise"))
             lines.append(f"- {model}: {full:.2f} with full attention, {block:.2f} with BCA ({block / full - 1:+.2%}).")
+    for model in [m for m in models if "full" in labels[m] and any(r.get("attention_sinks") for r in rows
+                                                                    if r["model"] == m)]:
+        full_l, full_far = (_ppl(rows, model, "full", "segments", n) for n in (length, longest))
+        lines.append(f"\n{model}: windows (w = l) with and without attention sinks against full attention as "
+                     f"published, which {_change(full_l, full_far)} past l ({full_l:.2f} → {full_far:.2f}):")
+        for mode in [m for m in labels[model] if m != "full"]:
+            at_l, far = (_ppl(rows, model, mode, "segments", n) for n in (length, longest))
+            flat = "flat" if abs(far / at_l - 1) < FLAT else "not flat"
+            lines.append(f"- {mode}: {far:.2f} at {longest} tokens against {full_far:.2f} as published "
+                         f"({far / full_far - 1:+.2%}); {flat} past l ({_change(at_l, far)}).")
     for protocol in ("segments", "strided"):
         best = min((r for r in rows if r["protocol"] == protocol and r["length"] == longest), key=lambda r: r["ppl"])
         lines.append(f"\nBest at {longest} tokens ({protocol} protocol): {best['model']} with {attention_label(best)} "
@@ -127,6 +166,31 @@ def reading(rows: list[dict], resolution_rows: list[dict], length: int) -> list[
     if resolution_rows:
         best = max(resolution_rows, key=lambda r: r["resolution"])
         lines.append(f"\nHighest attention resolution: {best['model']} ({best['resolution']:.4f}).")
+    if passkey:
+        lines += passkey_reading(passkey)
+    return lines
+
+
+def passkey_reading(passkey: list[dict]) -> list[str]:
+    """Passkey accuracy by distance per reading, and plainly whether any reading retrieves the key from farther
+    back than its window w (the attention window; the training length in full attention)."""
+    lines = ["\nPasskey retrieval (accuracy by distance from the question; w: the window, or l in full attention):"]
+    groups: dict[tuple, list[dict]] = {}
+    for r in passkey:
+        groups.setdefault((r["model"], attention_label(r), r["window"]), []).append(r)
+    for (model, mode, window), probed in groups.items():
+        accuracies = ", ".join(f"{r['accuracy']:.2f} at {r['distance']}" for r in probed)
+        lines.append(f"- {model}, {mode} attention (w = {window}): {accuracies}.")
+    past = [r for r in passkey if r["distance"] > r["window"] and r["accuracy"] > 0]
+    if not any(r["accuracy"] > 0 for r in passkey):
+        lines.append("No reading retrieves the key at any distance, within its window w or past it.")
+    elif past:
+        lines.append("Past the window the key is retrieved by: " + "; ".join(
+            f"{r['model']}, {attention_label(r)} attention ({r['accuracy']:.2f} at {r['distance']})" for r in past)
+            + ".")
+    else:
+        lines.append("No reading retrieves the key from farther back than its window w (accuracy 0 at every "
+                     "distance past w).")
     return lines
 
 
@@ -258,10 +322,10 @@ def markdown(study: dict) -> str:
         "",
         "## Reading",
         "",
-        *reading(study["rows"], study["resolution"], length),
+        *reading(study["rows"], study["resolution"], length, study.get("passkey")),
         "",
     ]
-    for title, body in tables(study["rows"], study["resolution"], length):
+    for title, body in tables(study["rows"], study["resolution"], length, study.get("passkey")):
         lines += [f"## {title}", "", body, ""]
     lines += [
         "## Plots",

