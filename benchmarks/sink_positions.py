@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     print("|" + "---|" * (len(lengths) + 2))
     for row in rows:
         print(f"| {row['mode']} | {row['rule']} | " + " | ".join(f"{row[str(n)]:.2f}" for n in lengths) + " |")
-    write_output(args.output, {"window": args.window, "sinks": args.sinks, "documents": len(documents),
+    write_output(args, {"window": args.window, "sinks": args.sinks, "documents": len(documents),
                                "rows": rows})
     return 0
 
