@@ -16,7 +16,6 @@ from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import modeling_lex  # noqa: F401  (registers the Auto classes)
-from configuration_lex import ATTENTION_MODES
 from convert.hf import SOURCE_TYPES, lex_from_hf
 
 from .data import DataError
@@ -95,8 +94,6 @@ def with_attention(model, attention_mode: str | None = None, attention_window: i
         raise DataError(f"{name}: a {model.config.model_type!r} model runs as published; attention_mode, "
                         f"attention_window and attention_sinks apply to LEX models and to "
                         f"{', '.join(SOURCE_TYPES)} checkpoints (converted in memory)")
-    if attention_mode is not None and attention_mode not in ATTENTION_MODES:
-        raise DataError(f"attention_mode={attention_mode!r}: allowed: {', '.join(ATTENTION_MODES)}")
     return lex_from_hf(model, attention_mode, attention_window, attention_sinks or 0).eval()
 
 

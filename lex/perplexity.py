@@ -12,16 +12,13 @@ Used by `lex eval-length`, `lex demo` and the `length_perplexity` evaluate modul
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal, get_args
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer
 
-from .data import DataError, tokenized_documents
-from .models import attention_variants
+from .data import DataError
 
 # The two ways to score a length (module docstring): the one source of the choices.
 Protocol = Literal["segments", "strided"]
@@ -148,23 +145,3 @@ def score_rows(
         yield protocol, [{**(labels or {}), "protocol": protocol, "length": length,
                           "training_length": model.config.max_position_embeddings, "ppl": s.ppl, "tokens": s.tokens}
                          for length, s in scores.items()]
-
-
-def evaluations(
-    path: str, texts: list[str], lengths: list[int], modes: list[str], device: str = "cpu", batch_size: int = 8,
-    protocols: tuple[Protocol, ...] = PROTOCOLS, progress: bool = True, label: str | None = None,
-    sinks: tuple[int, ...] = (0,), attention_window: int | None = None,
-) -> Iterator[tuple[str, int, str, list[dict]]]:
-    """(mode, sinks, protocol, rows) for one model folder, one (attention mode, sinks) at a time
-    (lex.models.attention_variants): rows of {model, attention_mode, attention_sinks, protocol, length,
-    training_length, ppl, tokens}."""
-    documents = tokenized_documents(AutoTokenizer.from_pretrained(path), texts)
-    for mode, s, model in attention_variants(path, modes, list(sinks), device, attention_window=attention_window):
-        labels = {"model": label or Path(path).name, "attention_mode": mode, "attention_sinks": s}
-        for protocol, rows in score_rows(model, documents, lengths, protocols, batch_size, progress, labels):
-            yield mode, s, protocol, rows
-
-
-def evaluate_model(path: str, texts: list[str], lengths: list[int], modes: list[str], **options) -> list[dict]:
-    """All rows of `evaluations` (same arguments) in one list."""
-    return [row for *_, rows in evaluations(path, texts, lengths, modes, **options) for row in rows]

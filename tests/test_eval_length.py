@@ -23,10 +23,15 @@ METRIC = Path(__file__).resolve().parents[1] / "lex" / "metrics" / "length_perpl
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:
+def tokenizer():
+    """A 300-token byte-level BPE trained on two KJV books."""
+    return train_tokenizer([b["text"] for b in kjv_books()[:2]], vocab_size=300)
+
+
+@pytest.fixture(scope="module")
+def folder(tokenizer, tmp_path_factory) -> Path:
     """A tiny random LEX model (w = 32) with a BPE tokenizer, saved like any trained folder."""
     path = tmp_path_factory.mktemp("tiny")
-    tokenizer = train_tokenizer([b["text"] for b in kjv_books()[:2]], vocab_size=300)
     torch.manual_seed(0)
     config = LexConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                        num_attention_heads=2, max_position_embeddings=32)
@@ -242,12 +247,11 @@ def test_eval_length_cli_writes_everything(folder, texts, tmp_path, capsys):
 
 
 @pytest.fixture(scope="module")
-def llama_folder(tmp_path_factory) -> Path:
+def llama_folder(tokenizer, tmp_path_factory) -> Path:
     """A tiny Llama checkpoint (GQA, trained at l = 16) saved by transformers, with a BPE tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     path = tmp_path_factory.mktemp("llama")
-    tokenizer = train_tokenizer([b["text"] for b in kjv_books()[:2]], vocab_size=300)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
@@ -309,11 +313,11 @@ def test_eval_length_on_a_llama_folder_reads_every_mode_with_and_without_sinks(l
     assert len(resolution_row["resolution_per_layer"]) == 2  # q k^T over 4 query heads and 2 KV heads
 
 
-def test_eval_length_scores_a_gpt2_folder_as_published_and_says_which_modes_do_not_apply(texts, tmp_path, capsys):
+def test_eval_length_scores_a_gpt2_folder_as_published_and_says_which_modes_do_not_apply(tokenizer, texts, tmp_path,
+                                                                                          capsys):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     folder = tmp_path / "gpt2"
-    tokenizer = train_tokenizer([b["text"] for b in kjv_books()[:2]], vocab_size=300)
     torch.manual_seed(0)
     GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2, n_positions=64)
                     ).save_pretrained(folder)

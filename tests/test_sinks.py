@@ -111,8 +111,14 @@ def test_static_cache_slots_and_tokens(mode):
         static = greedy(model, ids, attention_mask=mask, max_new_tokens=new, cache_implementation="static")
         assert torch.equal(static.sequences, default.sequences)
         torch.testing.assert_close(torch.stack(static.logits), torch.stack(default.logits), atol=1e-4, rtol=1e-4)
-    short = greedy(model, ids[:, -9:], attention_mask=mask[:, -9:], max_new_tokens=3, cache_implementation="static")
+    fresh = perturbed_model(tiny_config(attention_mode=mode, attention_sinks=S))
+    short = greedy(fresh, ids[:, -9:], attention_mask=mask[:, -9:], max_new_tokens=3, cache_implementation="static")
     assert short.past_key_values.layers[0].keys.shape[2] == 11  # generate() asks for max_length - 1 = 11 < w - 1 + S
+    # a model that generated longer keeps its static shapes for a shorter call, as transformers' static caches do
+    again = greedy(model, ids[:, -9:], attention_mask=mask[:, -9:], max_new_tokens=3, cache_implementation="static")
+    longest = ids.shape[1] + 3 * W - 1
+    assert again.past_key_values.layers[0].keys.shape[2] == (longest if mode == "full" else W - 1 + S)
+    assert torch.equal(again.sequences, short.sequences)
 
 
 def test_assisted_and_prompt_lookup_decoding_with_sinks_equal_greedy():
