@@ -1,9 +1,13 @@
-"""What every benchmark script shares: the project on sys.path, peak RSS, and the JSON file it writes."""
+"""What every benchmark script shares: the project on sys.path, peak RSS, a streamer that stamps each new token,
+and the JSON file it writes."""
 
 import json
 import sys
+import time
 from argparse import Namespace
 from pathlib import Path
+
+from transformers.generation.streamers import BaseStreamer
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -22,3 +26,20 @@ def write_output(args: Namespace, results: dict) -> None:
     """`results` and the settings that produced them, as JSON at --output (when given)."""
     if args.output:
         args.output.write_text(json.dumps({**results, "settings": vars(args)}, indent=2, default=str))
+
+
+class Clock(BaseStreamer):
+    """Time stamps of generate()'s puts: the prompt first, then one per new token."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def put(self, value) -> None:
+        self.stamps.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+    def steps(self) -> list[float]:
+        """Seconds between consecutive new tokens (the prefill excluded)."""
+        return [b - a for a, b in zip(self.stamps[1:], self.stamps[2:])]

@@ -14,28 +14,13 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
-from transformers.generation.streamers import BaseStreamer
 
-from common import peak_rss_mb, write_output
+from common import Clock, peak_rss_mb, write_output
 
 from configuration_lex import ATTENTION_MODES
-
-
-class Clock(BaseStreamer):
-    """Time stamps of generate()'s puts: the prompt first, then one per new token."""
-
-    def __init__(self) -> None:
-        self.stamps: list[float] = []
-
-    def put(self, value) -> None:
-        self.stamps.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
 
 
 def build(kind: str, args):
@@ -70,7 +55,7 @@ def child(kind: str, context: int, args) -> dict:
     peak = peak_rss_mb()
     device_peak = torch.cuda.max_memory_allocated() / 2**20 if args.device.startswith("cuda") else None
     prompt_at, first_at, *_ = clock.stamps
-    steps = [b - a for a, b in zip(clock.stamps[1:], clock.stamps[2:])]
+    steps = clock.steps()
     prompt_mb = 2 * ids.numel() * ids.element_size() / 2**20  # the prompt's ids and mask
     return {
         "model": kind, "context": context, "new_tokens": out.sequences.shape[1] - context,

@@ -31,24 +31,10 @@ from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.generation.streamers import BaseStreamer
 
-from common import peak_rss_mb, write_output
+from common import Clock, peak_rss_mb, write_output
 
 from convert.hf import DEFAULT_MAX_SHARD_SIZE, convert_hf, lex_from_hf
-
-
-class Clock(BaseStreamer):
-    """Time stamps of generate()'s puts: the prompt first, then one per new token."""
-
-    def __init__(self) -> None:
-        self.stamps: list[float] = []
-
-    def put(self, value) -> None:
-        self.stamps.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
 
 
 def llama(args, kv_heads: int, **sizes) -> LlamaForCausalLM:
@@ -79,7 +65,7 @@ def decode(model, prompt, new: int) -> tuple[float, int]:
     out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, min_new_tokens=new,
                          do_sample=False, pad_token_id=0, eos_token_id=None, streamer=clock,
                          return_dict_in_generate=True)
-    steps = [b - a for a, b in zip(clock.stamps[1:], clock.stamps[2:])]
+    steps = clock.steps()
     return 1 / statistics.median(steps), cache_bytes(out.past_key_values)
 
 

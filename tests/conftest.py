@@ -62,3 +62,15 @@ class LexRun:
 @pytest.fixture
 def lex_run(capsys) -> LexRun:
     return LexRun(capsys)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models decode fastest on one thread; several contend badly when the machine is busy. A module uses it
+    with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

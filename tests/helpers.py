@@ -7,6 +7,7 @@ from torch import nn
 import modeling_lex  # noqa: F401  (registers the Auto classes)
 from configuration_lex import LexConfig
 from modeling_lex import LexForCausalLM
+from tests import reference
 
 W = 16  # tiny_config's attention_window
 PAD = 0  # never drawn as a prompt token below, so generate() infers no padding inside prompts
@@ -56,6 +57,22 @@ def left_padded(lengths: list[int]) -> tuple[list[torch.Tensor], torch.Tensor, t
         ids[i, longest - len(row) :] = row
         mask[i, longest - len(row) :] = 1
     return rows, ids, mask
+
+
+def left_pad_mask(ids: torch.Tensor, pads: list[int]) -> torch.Tensor:
+    """An attention mask for `ids` whose row r starts with pads[r] padding positions."""
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate(pads):
+        mask[row, :pad] = 0
+    return mask
+
+
+def assert_rows_equal_reference(model: LexForCausalLM, ids: torch.Tensor, logits: torch.Tensor,
+                                pads: list[int] | None = None) -> None:
+    """Each row's logits after its padding equal tests/reference.py's float64 forward of that row (1e-5)."""
+    for row, pad in enumerate(pads or [0] * len(ids)):
+        expected = reference.forward(model.state_dict(), model.config, ids[row], pad=pad)
+        torch.testing.assert_close(logits[row, pad:].double(), expected[pad:], atol=1e-5, rtol=1e-5)
 
 
 def packed(lengths: list[int], seed: int = 0) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:

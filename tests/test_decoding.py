@@ -20,12 +20,7 @@ MODES = ["blockwise", "sliding", "full"]
 DRAFTER = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

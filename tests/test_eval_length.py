@@ -223,13 +223,17 @@ def test_analytic_curve_xpos_decays_where_rope_oscillates():
     assert xpos[1000:].abs().max() < rope[1000:].abs().max()
 
 
-def test_eval_length_cli_writes_everything(folder, texts, tmp_path, capsys):
-    files = tmp_path / "docs"
-    files.mkdir()
+def documents_glob(folder: Path, texts: list[str]) -> str:
+    """`texts` written as doc0.txt, doc1.txt, ... in `folder`; the glob that matches them (`--files`)."""
+    folder.mkdir()
     for i, text in enumerate(texts):
-        (files / f"doc{i}.txt").write_text(text)
+        (folder / f"doc{i}.txt").write_text(text)
+    return f"{folder}/*.txt"
+
+
+def test_eval_length_cli_writes_everything(folder, texts, tmp_path, capsys):
     out = tmp_path / "eval"
-    assert lex(["eval-length", str(folder), "--files", f"{files}/*.txt", "--lengths", "8,16,64",
+    assert lex(["eval-length", str(folder), "--files", documents_glob(tmp_path / "docs", texts), "--lengths", "8,16,64",
                 "--attention_modes", "full,blockwise,sliding", "--output_dir", str(out), "--resolution",
                 "--passkey"]) == 0
     printed, bars = capsys.readouterr()
@@ -286,12 +290,8 @@ def test_eval_length_on_a_llama_folder_reads_every_mode_with_and_without_sinks(l
                                                                               capsys):
     """Full attention is the checkpoint as published; sliding and blockwise (w = 8) with 0 and 4 sinks are the
     checkpoint converted in memory, each equal to transformers' Llama under that window's explicit 4D mask."""
-    files = tmp_path / "docs"
-    files.mkdir()
-    for i, text in enumerate(texts):
-        (files / f"doc{i}.txt").write_text(text)
     out = tmp_path / "eval"
-    assert lex(["eval-length", str(llama_folder), "--files", f"{files}/*.txt", "--lengths", "8,48",
+    assert lex(["eval-length", str(llama_folder), "--files", documents_glob(tmp_path / "docs", texts), "--lengths", "8,48",
                 "--attention_modes", "full,sliding,blockwise", "--attention_sinks", "0,4", "--attention_window", "8",
                 "--protocols", "strided", "--output_dir", str(out), "--passkey", "--resolution"]) == 0
     printed = capsys.readouterr().out

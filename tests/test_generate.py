@@ -30,13 +30,7 @@ from tests.helpers import (
 KINDS = ["xpos", "rope", "decay", "alibi", "kerple", "sandwich", "sinusoidal", "none"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models decode fastest on one thread; several contend badly when the machine is busy."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def record_cache_size(model, cache: LexCache) -> list[int]:

@@ -17,7 +17,7 @@ from modeling_lex import LexForCausalLM
 from modeling_lex.positions import POSITION_METHODS, position_method
 from modeling_lex.xpos import apply_rotary
 from tests import reference
-from tests.helpers import packed, perturbed_model, tiny_config
+from tests.helpers import assert_rows_equal_reference, left_pad_mask, packed, perturbed_model, tiny_config
 
 
 # ---------------------------------------------------------------- xPos against TorchScale 0.3.0
@@ -105,9 +105,7 @@ def test_modes_equal_naive_reference(mode, kind, n):
     ids = torch.randint(0, config.vocab_size, (2, n))
     with torch.no_grad():
         logits = model(ids).logits
-    for row in range(2):
-        expected = reference.forward(model.state_dict(), config, ids[row])
-        torch.testing.assert_close(logits[row].double(), expected, atol=1e-5, rtol=1e-5)
+    assert_rows_equal_reference(model, ids, logits)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -117,14 +115,10 @@ def test_left_padding_equals_reference_and_row_alone(mode):
     torch.manual_seed(3)
     n, pads = 45, [0, 5, 13]
     ids = torch.randint(0, config.vocab_size, (len(pads), n))
-    mask = torch.ones_like(ids)
-    for row, pad in enumerate(pads):
-        mask[row, :pad] = 0
     with torch.no_grad():
-        logits = model(ids, attention_mask=mask).logits
+        logits = model(ids, attention_mask=left_pad_mask(ids, pads)).logits
+        assert_rows_equal_reference(model, ids, logits, pads)
         for row, pad in enumerate(pads):
-            expected = reference.forward(model.state_dict(), config, ids[row], pad=pad)
-            torch.testing.assert_close(logits[row, pad:].double(), expected[pad:], atol=1e-5, rtol=1e-5)
             alone = model(ids[row : row + 1, pad:]).logits[0]
             torch.testing.assert_close(logits[row, pad:], alone, atol=1e-5, rtol=1e-5)
 
@@ -358,9 +352,7 @@ def test_modern_backbone_equals_reference(backbone, kind, mode):
     ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits = model(ids).logits
-    for row in range(2):
-        expected = reference.forward(model.state_dict(), config, ids[row])
-        torch.testing.assert_close(logits[row].double(), expected, atol=1e-5, rtol=1e-5)
+    assert_rows_equal_reference(model, ids, logits)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -11,7 +11,17 @@ import torch
 import modeling_lex  # noqa: F401
 from modeling_lex import LexCache, LexStaticCache
 from tests import reference
-from tests.helpers import W, greedy, left_padded, packed, perturbed_model, prompt, tiny_config
+from tests.helpers import (
+    W,
+    assert_rows_equal_reference,
+    greedy,
+    left_pad_mask,
+    left_padded,
+    packed,
+    perturbed_model,
+    prompt,
+    tiny_config,
+)
 
 MODES = ["blockwise", "sliding", "full"]
 S = 4
@@ -25,14 +35,9 @@ def test_left_padded_rows_equal_the_reference(mode, kind, sinks):
     model = perturbed_model(config)
     ids = torch.randint(0, 97, (3, 5 * W + 3), generator=torch.Generator().manual_seed(1))
     pads = [0, 5, 13]
-    mask = torch.ones_like(ids)
-    for row, pad in enumerate(pads):
-        mask[row, :pad] = 0
     with torch.no_grad():
-        logits = model(ids, attention_mask=mask).logits
-    for row, pad in enumerate(pads):
-        expected = reference.forward(model.state_dict(), config, ids[row], pad=pad)
-        torch.testing.assert_close(logits[row, pad:].double(), expected[pad:], atol=1e-5, rtol=1e-5)
+        logits = model(ids, attention_mask=left_pad_mask(ids, pads)).logits
+    assert_rows_equal_reference(model, ids, logits, pads)
 
 
 @pytest.mark.parametrize("kind", ["xpos", "rope", "alibi"])
