@@ -21,6 +21,7 @@ import torch
 from common import Clock, peak_rss_mb, write_output
 
 from configuration_lex import ATTENTION_MODES
+from modeling_lex.generation import CACHE_NAME
 
 
 def build(kind: str, args):
@@ -64,7 +65,7 @@ def child(kind: str, context: int, args) -> dict:
         "prefill_tokens_per_s": context / (first_at - prompt_at),
         "peak_rss_mb": peak, "rss_before_generate_mb": before, "prompt_ids_mb": prompt_mb,
         "peak_rss_net_mb": peak - prompt_mb, "rss_growth_mb": peak - before, "peak_cuda_mb": device_peak,
-        "cache_positions_per_layer": out.past_key_values.layers[0].keys.shape[2],
+        "cache_positions_per_layer": getattr(out, CACHE_NAME).layers[0].keys.shape[2],
     }
 
 

@@ -22,6 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 import modeling_lex  # noqa: E402,F401
 from configuration_lex import ATTENTION_MODES, LexConfig  # noqa: E402
 from modeling_lex import LexForCausalLM  # noqa: E402
+from modeling_lex.generation import CACHE_NAME  # noqa: E402
 
 
 def lex(hidden, layers, heads, window, **kw) -> LexForCausalLM:
@@ -81,7 +82,7 @@ def generation(report: dict) -> None:
     report["generation"] = {
         "fp32_cached_vs_nocache_max_abs": (steps - reference).abs().max().item(),
         "bf16_40w_prompt_finite": all(bool(torch.isfinite(x).all()) for x in bf16.logits),
-        "bf16_cache_positions_per_layer": bf16.past_key_values.layers[0].keys.shape[2],
+        "bf16_cache_positions_per_layer": getattr(bf16, CACHE_NAME).layers[0].keys.shape[2],
         "bf16_prompt_plus_256_new_seconds": time.perf_counter() - start,
     }
     print(report["generation"], flush=True)

@@ -35,6 +35,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from common import Clock, peak_rss_mb, write_output
 
 from convert.hf import DEFAULT_MAX_SHARD_SIZE, convert_hf, lex_from_hf
+from modeling_lex.generation import CACHE_NAME
 
 
 def llama(args, kv_heads: int, **sizes) -> LlamaForCausalLM:
@@ -66,7 +67,7 @@ def decode(model, prompt, new: int) -> tuple[float, int]:
                          do_sample=False, pad_token_id=0, eos_token_id=None, streamer=clock,
                          return_dict_in_generate=True)
     steps = clock.steps()
-    return 1 / statistics.median(steps), cache_bytes(out.past_key_values)
+    return 1 / statistics.median(steps), cache_bytes(getattr(out, CACHE_NAME))
 
 
 def speed(args) -> dict:

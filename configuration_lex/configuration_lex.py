@@ -99,7 +99,7 @@ class LexConfig(PreTrainedConfig):
     """
 
     model_type = "lex"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]  # the cache, under either transformers name
 
     vocab_size: int = positive(default=32000)
     hidden_size: int = positive(default=768)

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from modeling_lex.generation import CACHE_NAME
+
 from .data import DataError
 
 # The two ways to score a length (module docstring): the one source of the choices.
@@ -54,8 +56,8 @@ def _scored_states(model, ids: torch.Tensor) -> tuple[Iterator[tuple[int, torch.
     def stream() -> Iterator[tuple[int, torch.Tensor]]:
         cache, step = None, 2 * model.config.attention_window
         for start in range(0, ids.shape[1], step):
-            out = model.model(input_ids=ids[:, start : start + step], past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
+            out = model.model(input_ids=ids[:, start : start + step], cache=cache, use_cache=True)
+            cache = getattr(out, CACHE_NAME)
             yield start, out.last_hidden_state
 
     return stream(), model.lm_head

@@ -27,6 +27,7 @@ any length is read in O(w) memory.
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer, StaticCache
 
+from .generation import init_cache_layers
 from .stream import AttentionContext, Stream, StreamStep, _mark_static, sink_count
 
 
@@ -80,7 +81,7 @@ class LexCache(DynamicCache):
     """
 
     def __init__(self, config) -> None:
-        Cache.__init__(self, layers=[LexCacheLayer() for _ in range(config.num_hidden_layers)])
+        init_cache_layers(self, [LexCacheLayer() for _ in range(config.num_hidden_layers)])
         self.config = config
         self.stream = Stream(config)
         self._step: StreamStep | None = None
@@ -232,7 +233,7 @@ class LexStaticCache(StaticCache):
             slots = config.attention_window - 1
             if max_cache_len is not None and max_cache_len <= sinks + slots:
                 slots, sinks = max_cache_len, 0
-        Cache.__init__(self, layers=[LexStaticLayer(slots, sinks) for _ in range(config.num_hidden_layers)])
+        init_cache_layers(self, [LexStaticLayer(slots, sinks) for _ in range(config.num_hidden_layers)])
         self.config = config
         self.slots, self.sinks = slots, sinks
         self.stream = Stream(config, window=slots, sinks=sinks, static=True)
@@ -284,6 +285,11 @@ def read_stream(
     if attention_mask is not None:
         past = attention_mask.shape[-1] - length
         known = int(cache.stream.seen) if lex_cache and not compiling else seen
+        if attention_mask.dim() == 2 and not compiling and known == 0 and (attention_mask.shape[0] != batch or past):
+            raise ValueError(  # generate()'s first forward: the prompt
+                f"attention_mask has shape {tuple(attention_mask.shape)} but the prompt has {(batch, length)}; "
+                "a forward without cached tokens needs one mask entry per input token"
+            )
         if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or (
             not compiling and past not in (0, known)
         ):
@@ -316,7 +322,7 @@ def _custom_mask_step(
     """A caller's own (B, 1, T, T) mask (e.g. a shared prefix with branches): it says which keys each query sees,
     on top of causality and the window; documents are not inferred from position ids then."""
     if cache is not None and cache.get_seq_length():
-        raise ValueError("a 4D attention_mask is supported on a forward without cached tokens (past_key_values)")
+        raise ValueError("a 4D attention_mask is supported on a forward without cached tokens (an empty or no cache)")
     if attention_mask.shape != (batch, 1, length, length) and attention_mask.shape != (1, 1, length, length):
         raise ValueError(
             f"a 4D attention_mask must have shape ({batch}, 1, {length}, {length}), got {tuple(attention_mask.shape)}"

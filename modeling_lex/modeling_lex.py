@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from transformers import AutoModel, AutoModelForCausalLM
 from transformers.cache_utils import Cache
-from transformers.generation import GenerationMixin, MaxLengthCriteria, StoppingCriteriaList
+from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
@@ -26,6 +26,7 @@ from configuration_lex.configuration_lex import LexConfig
 
 from .attention import AttentionPlan, build_plan, eager_attention_forward, run_attention
 from .cache import LEX_CACHES, LexCache, LexStaticCache, read_stream
+from .generation import CACHE_NAME, LexGenerationMixin, accepts_both_cache_names, cache_field
 from .positions import position_method
 from .xpos import sinusoidal_embedding
 
@@ -121,7 +122,7 @@ class LexAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         plan: AttentionPlan,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, length, _ = hidden_states.shape
@@ -129,8 +130,8 @@ class LexAttention(nn.Module):
         key = self.k_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
         value = self.v_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
         query, key = plan.encode_tokens(query), plan.encode_tokens(key)
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
         dropout = self.config.attention_dropout if self.training else 0.0
         interface = eager_attention_forward
         if not plan.attention_maps:  # maps come from the eager computation, whatever the backend
@@ -166,16 +167,11 @@ class LexDecoderLayer(GradientCheckpointingLayer):
         self,
         hidden_states: torch.Tensor,
         plan: AttentionPlan,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         hidden_states = self._residual(
-            hidden_states,
-            self.self_attn,
-            self.self_attn_layer_norm,
-            plan=plan,
-            past_key_values=past_key_values,
-            **kwargs,
+            hidden_states, self.self_attn, self.self_attn_layer_norm, plan=plan, cache=cache, **kwargs
         )
         return self._residual(hidden_states, self.mlp, self.final_layer_norm)
 
@@ -186,7 +182,7 @@ class LexPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["LexDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["cache", "past_key_values"]  # the name of transformers >= 5.24, and before
     _supports_sdpa = True
     _supports_flash_attn = False
     _supports_flex_attn = False
@@ -234,6 +230,7 @@ class LexModel(LexPreTrainedModel):
             hidden = self.layernorm_embedding(hidden)
         return self.dropout(hidden)
 
+    @accepts_both_cache_names
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -241,7 +238,7 @@ class LexModel(LexPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
@@ -258,108 +255,29 @@ class LexModel(LexPreTrainedModel):
         reference = input_ids if input_ids is not None else inputs_embeds
         if reference.shape[1] == 0:
             raise ValueError("the input is empty: input_ids/inputs_embeds must hold at least one token")
-        if use_cache and past_key_values is None:
-            past_key_values = LexCache(self.config)
+        if use_cache and cache is None:
+            cache = LexCache(self.config)
         step = read_stream(self.config, *reference.shape[:2], self.embed_tokens.weight.device, attention_mask,
-                           position_ids, past_key_values)
+                           position_ids, cache)
         maps = kwargs.get("output_attentions", self.config.output_attentions)
         plan = build_plan(self.config, self.positions, step, self.embed_tokens.weight.dtype, attention_maps=bool(maps))
         hidden_states = self.embed(input_ids, inputs_embeds, step.context.query_positions)
         for layer in self.layers:
-            hidden_states = layer(hidden_states, plan=plan, past_key_values=past_key_values, **kwargs)
+            hidden_states = layer(hidden_states, plan=plan, cache=cache, **kwargs)
         if self.norm is not None:
             hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **cache_field(cache))
 
 
-class LexForCausalLM(LexPreTrainedModel, GenerationMixin):
+class LexForCausalLM(LexPreTrainedModel, LexGenerationMixin, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    cache_class, static_cache_class = LexCache, LexStaticCache  # what generate() creates (generation.py)
 
     def __init__(self, config: LexConfig):
         super().__init__(config)
         self.model = LexModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
-
-    def _prepare_cache_for_generation(
-        self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
-    ) -> None:
-        """generate() gets a LexCache (bounded in blockwise/sliding modes), or with cache_implementation="static"
-        a LexStaticCache of fixed shapes, unless the caller passed a cache. As transformers' own static caches, a
-        static one is sized for the largest length asked so far (and `max_cache_len`), so that a later, shorter
-        generate() keeps the compiled shapes."""
-        if model_kwargs.get("past_key_values") is not None or generation_config.use_cache is False:
-            return super()._prepare_cache_for_generation(
-                generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
-            )
-        implementation = generation_config.cache_implementation
-        if implementation == "static":
-            length = max(max_cache_length, generation_config.max_cache_len or 0,
-                         getattr(self, "_previous_max_cache_length", 0))
-            self._previous_max_cache_length = length
-            model_kwargs["past_key_values"] = LexStaticCache(self.config, max_cache_len=length)
-        elif implementation in (None, "dynamic"):
-            model_kwargs["past_key_values"] = LexCache(self.config)
-        else:
-            raise ValueError(
-                f"cache_implementation={implementation!r} is not supported by LEX models, whose caches re-encode "
-                "positions inside each window; allowed: None, 'dynamic' (LexCache), 'static' (LexStaticCache)"
-            )
-        if generation_config.is_assistant:
-            model_kwargs["past_key_values"].activate_past_recording()
-
-    def create_masks_for_generate(self, attention_mask=None, inputs_embeds=None, **kwargs) -> torch.Tensor | None:
-        """generate() asks compilable caches for a 4D mask; LEX builds its masks itself from the 2D one.
-
-        Only the new tokens' columns are passed on (the cache holds the padding flags of the past), so a compiled
-        decoding step sees the same shapes at every step.
-        """
-        if attention_mask is None:
-            return None
-        return attention_mask[:, -inputs_embeds.shape[1] :]
-
-    def _prepare_generated_length(self, generation_config, has_default_max_length, *args, **kwargs):
-        """Without max_length/max_new_tokens, generate the default 20 new tokens after any prompt.
-
-        transformers would cap that default at max_position_embeddings (the training length l), which refuses
-        every prompt longer than l; LEX reads past l by design.
-        """
-        if has_default_max_length and generation_config.max_new_tokens is None:
-            generation_config.max_new_tokens = generation_config.max_length
-        return super()._prepare_generated_length(generation_config, has_default_max_length, *args, **kwargs)
-
-    def _get_stopping_criteria(self, *args, **kwargs) -> StoppingCriteriaList:
-        """transformers' length criterion warns once past max_position_embeddings; for LEX that is no limit."""
-        criteria = super()._get_stopping_criteria(*args, **kwargs)
-        for criterion in criteria:
-            if isinstance(criterion, MaxLengthCriteria):
-                criterion.max_position_embeddings = None
-        return criteria
-
-    def prepare_inputs_for_generation(
-        self, input_ids, past_key_values=None, attention_mask=None, inputs_embeds=None, is_first_iteration=False,
-        **kwargs,
-    ):
-        """Check the caller's attention_mask against the prompt once; generate() keeps them in step afterwards."""
-        if is_first_iteration and attention_mask is not None:
-            prompt = inputs_embeds if inputs_embeds is not None else input_ids
-            past = past_key_values.get_seq_length() if past_key_values is not None else 0
-            if attention_mask.shape[0] != prompt.shape[0] or attention_mask.shape[1] not in (
-                prompt.shape[1],
-                past + prompt.shape[1],
-            ):
-                raise ValueError(
-                    f"attention_mask has shape {tuple(attention_mask.shape)} but the prompt has "
-                    f"{tuple(prompt.shape[:2])}; generate() needs one mask entry per prompt token"
-                )
-        return super().prepare_inputs_for_generation(
-            input_ids,
-            past_key_values=past_key_values,
-            attention_mask=attention_mask,
-            inputs_embeds=inputs_embeds,
-            is_first_iteration=is_first_iteration,
-            **kwargs,
-        )
 
     def _prefill_in_blocks(
         self, input_ids, inputs_embeds, attention_mask, position_ids, cache: Cache, logits_to_keep, **kwargs
@@ -380,21 +298,22 @@ class LexForCausalLM(LexPreTrainedModel, GenerationMixin):
                 inputs_embeds=None if inputs_embeds is None else inputs_embeds[:, start:stop],
                 attention_mask=None if attention_mask is None else attention_mask[:, start:stop],
                 position_ids=None if position_ids is None else position_ids[:, start:stop],
-                past_key_values=cache,
+                cache=cache,
                 use_cache=True,
                 **kwargs,
             )
             if stop > keep_from:
                 kept.append(out.last_hidden_state[:, max(keep_from - start, 0) :])
-        return BaseModelOutputWithPast(last_hidden_state=torch.cat(kept, dim=1), past_key_values=cache)
+        return BaseModelOutputWithPast(last_hidden_state=torch.cat(kept, dim=1), **cache_field(cache))
 
+    @accepts_both_cache_names
     @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
@@ -402,23 +321,23 @@ class LexForCausalLM(LexPreTrainedModel, GenerationMixin):
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
         length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
-        if isinstance(past_key_values, LexCache) and past_key_values.stream.record_past:
+        if isinstance(cache, LexCache) and cache.stream.record_past:
             # Only tokens whose logits this forward computes can be rejected by a later crop (the candidates
             # generate() verifies); the cache may let the window move past the others.
             scored = logits_to_keep if isinstance(logits_to_keep, int) and logits_to_keep > 0 else length
             if scored < length:
-                past_key_values.mark_removable(past_key_values.seen + length - scored)
+                cache.mark_removable(cache.seen + length - scored)
         wants_internals = kwargs.get("output_hidden_states") or kwargs.get("output_attentions")
-        if isinstance(past_key_values, LEX_CACHES) and length > self.config.attention_window and not wants_internals:
+        if isinstance(cache, LEX_CACHES) and length > self.config.attention_window and not wants_internals:
             outputs = self._prefill_in_blocks(
-                input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, logits_to_keep, **kwargs
+                input_ids, inputs_embeds, attention_mask, position_ids, cache, logits_to_keep, **kwargs
             )
         else:
             outputs = self.model(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
-                past_key_values=past_key_values,
+                cache=cache,
                 inputs_embeds=inputs_embeds,
                 use_cache=use_cache,
                 **kwargs,
@@ -431,7 +350,7 @@ class LexForCausalLM(LexPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            **cache_field(getattr(outputs, CACHE_NAME)),
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )

@@ -10,6 +10,8 @@ from torch._dynamo.utils import counters
 import modeling_lex  # noqa: F401
 from tests.helpers import PAD, W, left_padded, perturbed_model, tiny_config
 
+pytestmark = pytest.mark.oldest  # also run on the oldest transformers we declare
+
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo():

@@ -22,6 +22,8 @@ from transformers import AutoModelForCausalLM
 from lex.cli import main as lex
 from tests.helpers import TORCHSCALE_BASE, TORCHSCALE_LENGTH, TORCHSCALE_VOCAB, perturb, torchscale_decoder
 
+pytestmark = pytest.mark.oldest  # also run on the oldest transformers we declare
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 VOCAB, LENGTH, PAD = TORCHSCALE_VOCAB, TORCHSCALE_LENGTH, 1

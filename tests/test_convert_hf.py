@@ -37,6 +37,8 @@ from convert.hf import convert_hf, convert_to_hf, lex_config_from_hf, lex_from_h
 from lex.cli import main as lex
 from tests.helpers import perturb, perturbed_model, word_tokenizer
 
+pytestmark = pytest.mark.oldest  # also run on the oldest transformers we declare
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,7 +20,7 @@ MODES = ["blockwise", "sliding", "full"]
 DRAFTER = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1)
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.oldest]
 
 
 @pytest.fixture(scope="module")

@@ -22,9 +22,12 @@ from lex.data import kjv_books, train_tokenizer
 from lex.export import ExportError, export, flatten, push_to_hub
 from modeling_lex import LexForCausalLM
 
+pytestmark = pytest.mark.oldest  # also run on the oldest transformers we declare
+
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT_ENTRIES = ("configuration_lex", "modeling_lex", "lex", "convert")
-CODE_FILES = {"configuration_lex.py", "xpos.py", "positions.py", "stream.py", "attention.py", "cache.py", "modeling_lex.py"}
+CODE_FILES = {"configuration_lex.py", "xpos.py", "positions.py", "stream.py", "attention.py", "cache.py", "generation.py",
+              "modeling_lex.py"}
 TRAINING_LENGTH = 16
 
 

@@ -14,6 +14,7 @@ from transformers.testing_utils import CaptureLogger
 
 import modeling_lex  # noqa: F401
 from modeling_lex import LexCache
+from modeling_lex.generation import CACHE_NAME
 from tests import reference
 from tests.helpers import (
     PAD,
@@ -30,7 +31,7 @@ from tests.helpers import (
 KINDS = ["xpos", "rope", "decay", "alibi", "kerple", "sandwich", "sinusoidal", "none"]
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.oldest]
 
 
 def record_cache_size(model, cache: LexCache) -> list[int]:
@@ -59,6 +60,53 @@ def test_every_cached_step_equals_the_no_cache_forward(mode, kind, prompt_len):
         reference_logits = model(out.sequences).logits[0, prompt_len - 1 : -1]
     steps = torch.stack(out.logits, dim=1)[0]
     torch.testing.assert_close(steps, reference_logits, atol=1e-4, rtol=1e-4)
+
+
+def held_after(mode: str, seen: int) -> int:
+    """Window keys a LexCache holds after `seen` tokens of one document (tiny_config's window W)."""
+    if mode == "full":
+        return seen
+    if mode == "sliding":
+        return min(seen, W - 1)
+    block = W // 2
+    return seen - max(0, (seen // block - 1) * block)
+
+
+@pytest.mark.parametrize("mode", ["blockwise", "sliding", "full"])
+@pytest.mark.parametrize("decoding", ["default cache", "static cache", "assisted"])
+def test_every_layer_cache_receives_each_step_keys(monkeypatch, mode, decoding):
+    """A renamed cache argument cannot fool this: during generate() every layer's cache is handed the keys of
+    every forward (counted where the layers store them), ends holding what the mode holds, and every step's
+    logits equal a no-cache forward."""
+    from modeling_lex.cache import LexCacheLayer, LexStaticLayer
+
+    received: dict[int, int] = {}
+    for layer_class in (LexCacheLayer, LexStaticLayer):
+        def recording(self, key_states, value_states, *args, _update=layer_class.update, **kwargs):
+            received[id(self)] = received.get(id(self), 0) + key_states.shape[-2]
+            return _update(self, key_states, value_states, *args, **kwargs)
+
+        monkeypatch.setattr(layer_class, "update", recording)
+    model = perturbed_model(tiny_config(attention_mode=mode))
+    ids = torch.cat([prompt(1, W + 3, seed=3)] * 2, dim=1)  # repeats: candidates for the assistant to get right
+    options = {"default cache": {}, "static cache": dict(cache_implementation="static"),
+               "assisted": dict(assistant_model=perturbed_model(tiny_config(attention_mode=mode), seed=5))}[decoding]
+    out = greedy(model, ids, max_new_tokens=2 * W, **options)
+    cache = getattr(out, CACHE_NAME)
+    fed = out.sequences.shape[1] - 1  # the last token is returned, never read
+    assert cache.get_seq_length() == fed
+    counts = [received.get(id(layer), 0) for layer in cache.layers]
+    assert len(counts) == model.config.num_hidden_layers
+    if decoding == "assisted":  # candidates rejected and cropped were received too
+        assert all(count == counts[0] >= fed for count in counts)
+    else:
+        assert counts == [fed] * len(counts)
+    if decoding != "static cache":
+        assert cache.held == held_after(mode, fed)
+        assert all(layer.keys.shape[2] == held_after(mode, fed) for layer in cache.layers)
+    with torch.no_grad():
+        expected = model(out.sequences).logits[0, ids.shape[1] - 1 : -1]
+    torch.testing.assert_close(torch.stack(out.logits, dim=1)[0], expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("mode", ["blockwise", "sliding", "full"])

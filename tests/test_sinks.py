@@ -23,6 +23,8 @@ from tests.helpers import (
     tiny_config,
 )
 
+pytestmark = pytest.mark.oldest  # also run on the oldest transformers we declare
+
 MODES = ["blockwise", "sliding", "full"]
 S = 4
 

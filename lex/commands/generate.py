@@ -22,6 +22,7 @@ from convert.hf import SOURCE_TYPES
 from lex.commands import LexArgumentParser, positive_int
 from lex.data import DataError, check_text_file
 from lex.models import DTYPES, load_model, model_config
+from modeling_lex.generation import CACHE_NAME
 
 
 def build_parser() -> LexArgumentParser:
@@ -129,5 +130,5 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.perf_counter() - start
     new = output.sequences.shape[1] - input_ids.shape[1]
     print(f"read the prompt and generated {new} tokens in {seconds:.1f} s; the cache holds "
-          f"{output.past_key_values.layers[0].keys.shape[2]} positions per layer", file=sys.stderr)
+          f"{getattr(output, CACHE_NAME).layers[0].keys.shape[2]} positions per layer", file=sys.stderr)
     return 0

@@ -1,0 +1,76 @@
+"""The transformers versions LEX declares are the ones it tests: one range in setup.cfg, in the generate() glue
+(modeling_lex/generation.py) and in README's test command, a warning outside it, and the cache accepted under
+both of its names on whichever version is installed."""
+
+import configparser
+import inspect
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from packaging.requirements import Requirement
+from packaging.version import Version
+from transformers import LlamaForCausalLM
+
+from modeling_lex import LexCache
+from modeling_lex.generation import CACHE_NAME, TESTED_TRANSFORMERS, warn_if_untested
+from tests.helpers import perturbed_model, prompt, tiny_config
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.oldest
+
+
+def declared() -> Requirement:
+    setup = configparser.ConfigParser()
+    setup.read(ROOT / "setup.cfg")
+    requirements = [Requirement(line) for line in setup["options"]["install_requires"].split("\n") if line.strip()]
+    return next(r for r in requirements if r.name == "transformers")
+
+
+def test_one_range_in_setup_cfg_the_glue_and_the_test_command():
+    specifiers = {s.operator: s.version for s in declared().specifier}
+    assert Version(specifiers[">="]) == Version(TESTED_TRANSFORMERS[0])
+    assert Version(specifiers["<"]) == Version(TESTED_TRANSFORMERS[1])
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    command = readme.split("<!-- test-command -->")[1].split("<!-- /test-command -->")[0]
+    oldest = re.findall(r"transformers==([0-9.]+)", command)
+    assert oldest and all(Version(v) == Version(TESTED_TRANSFORMERS[0]) for v in oldest)
+    assert "-m oldest" in command
+
+
+def test_the_installed_transformers_lies_in_the_range():
+    assert transformers.__version__ in declared().specifier
+
+
+@pytest.mark.parametrize("version, warns", [("5.22.2", True), ("5.23.0", False), ("5.24.0", False),
+                                            ("5.24.9", False), ("5.25.0", True), ("6.0.0", True)])
+def test_a_version_outside_the_range_gets_one_warning_naming_it(version, warns):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert warn_if_untested(version) is warns
+    assert len(caught) == int(warns)
+    if warns:
+        assert f">={TESTED_TRANSFORMERS[0]},<{TESTED_TRANSFORMERS[1]}" in str(caught[0].message)
+        assert version in str(caught[0].message)
+
+
+def test_the_cache_name_is_the_installed_llamas():
+    assert CACHE_NAME in inspect.signature(LlamaForCausalLM.forward).parameters
+
+
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])
+def test_the_model_takes_the_cache_under_either_name(name):
+    model = perturbed_model(tiny_config())
+    ids = prompt(1, 9)
+    cache = LexCache(model.config)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the old name is deprecated where transformers renamed it
+        first = model(ids[:, :5], **{name: cache}, use_cache=True)
+        second = model(ids[:, 5:], **{name: cache}, use_cache=True)
+        whole = model(ids).logits
+    assert cache.get_seq_length() == 9 and all(layer.keys.shape[2] == 9 for layer in cache.layers)
+    assert getattr(first, CACHE_NAME) is cache
+    torch.testing.assert_close(torch.cat([first.logits, second.logits], dim=1), whole, atol=1e-5, rtol=1e-5)
