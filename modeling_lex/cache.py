@@ -3,15 +3,18 @@
 Keys are stored before any position encoding that depends on the window (as the reference fork does), with
 their position ids, so each step re-encodes its keys relative to the current window: decoding at token 10^6 uses
 the same numbers as decoding at token 0. (RoPE, a pure rotation, is the exception: its keys are stored rotated at
-their own positions, angles taken in float64, since its scores depend on m - n alone.) A layer holds its S sink slots (the first `attention_sinks` tokens of each row's document, kept once
-the window has moved past them) followed by its window part; between forwards that is at most
+their own positions, angles taken in float64, since its scores depend on m - n alone.) A layer holds its S sink
+slots (the first `attention_sinks` tokens of each row's document, kept once the window has moved past them)
+followed by its window part; between forwards that is at most
   - blockwise: S + the previous full block and the current partial one (b to w - 1 keys, b = w/2), dropping a
     whole block when the current one fills; rows count blocks from their own document's first token, and the
     cache keeps the union of what the rows need, still at most w - 1;
   - sliding: S + the last w - 1;
   - full: everything (the ordinary unbounded cache; no sink slots).
-The bookkeeping (documents, positions, what to keep, rollback) is `stream.Stream`'s; a cache only stores keys and
-values as its stream says. Two caches share that contract:
+The bookkeeping (documents, positions, what to keep, rollback) is `stream.Stream`'s: each forward's `StreamStep`
+says what the layers keep, and every layer's `update(key, value, layer_idx, step)` is handed it, as Llama's
+layers are handed their `layer_idx`. A cache only stores keys and values as the step says. Two caches share that
+contract:
 
 - `LexCache` (generate()'s default) grows and shrinks. While recording the past (assisted and prompt-lookup
   decoding) it also holds the tokens a later `crop` may remove: those read since the last crop whose logits the
@@ -25,10 +28,11 @@ any length is read in O(w) memory.
 """
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer, StaticCache
+from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer, StaticCache
 
 from .generation import init_cache_layers
-from .stream import AttentionContext, Stream, StreamStep, _mark_static, sink_count
+from .stream import Stream, StreamStep, _mark_static
+from .visibility import sink_count
 
 
 def _gather_columns(x: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
@@ -39,36 +43,36 @@ def _gather_columns(x: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
 
 class LexCacheLayer(DynamicLayer):
     """One layer's raw keys and values: the sink slots (none before the first dropped key), then the window part.
-    `update` returns them with the new tokens' and keeps what the cache's stream says (the sink slots' new
+    `update` returns them with the new tokens' and keeps what the forward's step says (the sink slots' new
     contents, the last `keep` window keys)."""
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, keep: int | None = None,
-        sink_source: torch.Tensor | None = None, slots: int = 0, *args, **kwargs,
+        self, key_states: torch.Tensor, value_states: torch.Tensor, step: StreamStep, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
             self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
         keys = torch.cat([self.keys, key_states], dim=-2)
         values = torch.cat([self.values, value_states], dim=-2)
-        self.keys, self.values = (_kept(x, slots, keep, sink_source) for x in (keys, values))
+        sink_slots = step.context.sink_index.shape[1]  # the sink slots the layer holds before this forward
+        self.keys, self.values = (_kept(x, sink_slots, step.keep, step.sink_source) for x in (keys, values))
         return keys, values
 
-    def keep_window(self, slots: int, keep: int) -> None:
-        self.keys, self.values = (_kept(x, slots, keep, None) for x in (self.keys, self.values))
+    def keep_window(self, sink_slots: int, keep: int) -> None:
+        self.keys, self.values = (_kept(x, sink_slots, keep, None) for x in (self.keys, self.values))
 
     def drop_latest(self, count: int) -> None:
         if count and self.is_initialized:
             self.keys, self.values = self.keys[..., :-count, :], self.values[..., :-count, :]
 
 
-def _kept(x: torch.Tensor, slots: int, keep: int | None, sink_source: torch.Tensor | None) -> torch.Tensor:
-    """Of x (B, H, slots + window, d): the sink slots' new contents (gathered from `sink_source`, or as they are)
-    and the last `keep` window keys (all when None)."""
-    window = x[:, :, slots:]
+def _kept(x: torch.Tensor, sink_slots: int, keep: int | None, sink_source: torch.Tensor | None) -> torch.Tensor:
+    """Of x (B, H, sink_slots + window, d): the sink slots' new contents (gathered from `sink_source`, or as they
+    are) and the last `keep` window keys (all when None)."""
+    window = x[:, :, sink_slots:]
     if keep is not None:
         window = window[:, :, window.shape[2] - keep :]
-    sinks = x[:, :, :slots] if sink_source is None else _gather_columns(x, sink_source)
+    sinks = x[:, :, :sink_slots] if sink_source is None else _gather_columns(x, sink_source)
     return torch.cat([sinks, window], dim=2) if sinks.shape[2] else window
 
 
@@ -84,7 +88,6 @@ class LexCache(DynamicCache):
         init_cache_layers(self, [LexCacheLayer() for _ in range(config.num_hidden_layers)])
         self.config = config
         self.stream = Stream(config)
-        self._step: StreamStep | None = None
 
     @property
     def seen(self) -> int:
@@ -102,14 +105,10 @@ class LexCache(DynamicCache):
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return self.stream.sink_slots + self.held + query_length, self.seen - self.held
 
-    def step(self, position_ids: torch.Tensor | None, valid: torch.Tensor, caller_plain: bool) -> StreamStep:
-        """Register one forward's tokens; every layer's `update` then keeps what this step says."""
-        self._step = self.stream.step(position_ids, valid, caller_plain)
-        return self._step
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        slots = self._step.context.sink_index.shape[1]  # the sink slots the layer holds before this forward
-        return self.layers[layer_idx].update(key_states, value_states, self._step.keep, self.stream.sink_source, slots)
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, step: StreamStep,
+               *args, **kwargs):
+        """The keys and values attention sees (sink slots first); the layer keeps what `step` says."""
+        return self.layers[layer_idx].update(key_states, value_states, step)
 
     @property
     def is_croppable(self) -> bool:
@@ -172,39 +171,38 @@ class LexStaticLayer(CacheLayerMixin):
     is_compileable = True
     is_sliding = False
 
-    def __init__(self, slots: int, sinks: int) -> None:
+    def __init__(self, window_slots: int, sink_slots: int) -> None:
         super().__init__()
-        self.slots, self.sinks = slots, sinks
+        self.window_slots, self.sink_slots = window_slots, sink_slots
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
-        shape = key_states.shape[:2] + (self.sinks + self.slots, key_states.shape[-1])
+        shape = key_states.shape[:2] + (self.sink_slots + self.window_slots, key_states.shape[-1])
         self.keys = _mark_static(torch.zeros(shape, dtype=self.dtype, device=self.device))
         self.values = _mark_static(torch.zeros(shape, dtype=self.dtype, device=self.device))
         self.is_initialized = True
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, sink_source: torch.Tensor | None = None,
-        *args, **kwargs,
+        self, key_states: torch.Tensor, value_states: torch.Tensor, step: StreamStep, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         keys = torch.cat([self.keys, key_states], dim=-2)
         values = torch.cat([self.values, value_states], dim=-2)
         for buffer, x in ((self.keys, keys), (self.values, values)):
-            if sink_source is not None:
-                buffer[:, :, : self.sinks].copy_(_gather_columns(x, sink_source))
-            buffer[:, :, self.sinks :].copy_(x[:, :, x.shape[2] - self.slots :])
+            if step.sink_source is not None:
+                buffer[:, :, : self.sink_slots].copy_(_gather_columns(x, step.sink_source))
+            buffer[:, :, self.sink_slots :].copy_(x[:, :, x.shape[2] - self.window_slots :])
         return keys, values
 
     def get_seq_length(self) -> int:
-        return self.sinks + self.slots
+        return self.sink_slots + self.window_slots
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.sinks + self.slots + query_length, 0
+        return self.sink_slots + self.window_slots + query_length, 0
 
     def get_max_length(self) -> int:
-        return self.sinks + self.slots
+        return self.sink_slots + self.window_slots
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
@@ -224,32 +222,30 @@ class LexStaticCache(StaticCache):
     """
 
     def __init__(self, config, max_cache_len: int | None = None) -> None:
-        sinks = sink_count(config)
+        sink_slots = sink_count(config)
         if config.attention_mode == "full":
             if max_cache_len is None:
                 raise ValueError("LexStaticCache in attention_mode='full' needs max_cache_len (the longest stream)")
-            slots = max_cache_len
+            window_slots = max_cache_len
         else:
-            slots = config.attention_window - 1
-            if max_cache_len is not None and max_cache_len <= sinks + slots:
-                slots, sinks = max_cache_len, 0
-        init_cache_layers(self, [LexStaticLayer(slots, sinks) for _ in range(config.num_hidden_layers)])
+            window_slots = config.attention_window - 1
+            if max_cache_len is not None and max_cache_len <= sink_slots + window_slots:
+                window_slots, sink_slots = max_cache_len, 0
+        init_cache_layers(self, [LexStaticLayer(window_slots, sink_slots) for _ in range(config.num_hidden_layers)])
         self.config = config
-        self.slots, self.sinks = slots, sinks
-        self.stream = Stream(config, window=slots, sinks=sinks, static=True)
+        self.window_slots, self.sink_slots = window_slots, sink_slots
+        self.stream = Stream(config, window_slots=window_slots, sinks=sink_slots, static=True)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return int(self.stream.seen)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.sinks + self.slots + query_length, 0
+        return self.sink_slots + self.window_slots + query_length, 0
 
-    def step(self, position_ids: torch.Tensor | None, valid: torch.Tensor, caller_plain: bool) -> StreamStep:
-        """Register one forward's tokens in place; every layer's `update` then writes its buffers."""
-        return self.stream.step(position_ids, valid, caller_plain)
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        return self.layers[layer_idx].update(key_states, value_states, self.stream.sink_source)
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, step: StreamStep,
+               *args, **kwargs):
+        """The keys and values attention sees (sink slots first), written in place as `step` says."""
+        return self.layers[layer_idx].update(key_states, value_states, step)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
@@ -257,89 +253,10 @@ class LexStaticCache(StaticCache):
 
     def reset(self) -> None:
         super().reset()
-        self.stream = Stream(self.config, window=self.slots, sinks=self.sinks, static=True)
+        self.stream = Stream(self.config, window_slots=self.window_slots, sinks=self.sink_slots, static=True)
 
 
 LEX_CACHES = (LexCache, LexStaticCache)
 
 
-def read_stream(
-    config,
-    batch: int,
-    length: int,
-    device: torch.device,
-    attention_mask: torch.Tensor | None,
-    position_ids: torch.Tensor | None,
-    cache: Cache | None,
-) -> StreamStep:
-    """The one place a forward's `StreamStep` comes from: a LEX cache's own stream, or a stream made for this
-    forward (no cache, or a transformers cache that holds every past key contiguously), or a caller's 4D mask.
-
-    `attention_mask` is 2D, over the new tokens or over past and new ones (padding: 0), or 4D (B, 1, T, T).
-    """
-    if attention_mask is not None and attention_mask.dim() == 4:
-        return _custom_mask_step(config, batch, length, device, attention_mask, position_ids, cache)
-    lex_cache = isinstance(cache, LEX_CACHES)
-    compiling = torch.compiler.is_compiling()
-    seen = 0 if cache is None or lex_cache else cache.get_seq_length()
-    if attention_mask is not None:
-        past = attention_mask.shape[-1] - length
-        known = int(cache.stream.seen) if lex_cache and not compiling else seen
-        if attention_mask.dim() == 2 and not compiling and known == 0 and (attention_mask.shape[0] != batch or past):
-            raise ValueError(  # generate()'s first forward: the prompt
-                f"attention_mask has shape {tuple(attention_mask.shape)} but the prompt has {(batch, length)}; "
-                "a forward without cached tokens needs one mask entry per input token"
-            )
-        if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or (
-            not compiling and past not in (0, known)
-        ):
-            raise ValueError(
-                f"attention_mask must have shape ({batch}, {length}) or ({batch}, {known + length}) "
-                f"(new tokens, or past and new), got {tuple(attention_mask.shape)}"
-            )
-        mask = attention_mask.to(device=device, dtype=torch.bool)
-    else:
-        mask = torch.ones(batch, length, dtype=torch.bool, device=device)
-    caller_plain = attention_mask is None and position_ids is None
-    if lex_cache:
-        return cache.step(position_ids, mask[:, -length:], caller_plain)
-    # A stream for this forward: the past a foreign cache holds (contiguous, real unless the mask says padding),
-    # then the new tokens.
-    stream = Stream(config, sinks=0, unbounded=True)
-    if position_ids is None and mask.shape[1] == seen + length:
-        position_ids = ((mask.long().cumsum(-1) - 1).masked_fill(~mask, 1))[:, -length:]
-    if seen:
-        first = position_ids[:, :1] if position_ids is not None else torch.full((batch, 1), seen, device=device)
-        past_valid = mask[:, :seen] if mask.shape[1] == seen + length else mask.new_ones(batch, seen)
-        stream.step(first.to(device) - seen + torch.arange(seen, device=device), past_valid, False)
-    return stream.step(position_ids, mask[:, -length:], caller_plain and seen == 0)
-
-
-def _custom_mask_step(
-    config, batch: int, length: int, device: torch.device, attention_mask: torch.Tensor,
-    position_ids: torch.Tensor | None, cache: Cache | None,
-) -> StreamStep:
-    """A caller's own (B, 1, T, T) mask (e.g. a shared prefix with branches): it says which keys each query sees,
-    on top of causality and the window; documents are not inferred from position ids then."""
-    if cache is not None and cache.get_seq_length():
-        raise ValueError("a 4D attention_mask is supported on a forward without cached tokens (an empty or no cache)")
-    if attention_mask.shape != (batch, 1, length, length) and attention_mask.shape != (1, 1, length, length):
-        raise ValueError(
-            f"a 4D attention_mask must have shape ({batch}, 1, {length}, {length}), got {tuple(attention_mask.shape)}"
-        )
-    allowed = attention_mask.to(device).bool() if attention_mask.dtype in (torch.bool, torch.long, torch.int) else (
-        attention_mask.to(device) == 0  # additive: 0 where allowed, the dtype's minimum elsewhere
-    )
-    if position_ids is None:
-        position_ids = torch.arange(length, device=device)
-    position_ids = position_ids.to(device).expand(batch, length)
-    valid = torch.ones(batch, length, dtype=torch.bool, device=device)
-    stream = cache.stream if isinstance(cache, LEX_CACHES) else Stream(config, sinks=0, unbounded=True)
-    step = (cache if isinstance(cache, LEX_CACHES) else stream).step(position_ids, valid, False)
-    context = step.context
-    context.document_start = torch.zeros_like(context.document_start)  # one document: the mask says the rest
-    context.allowed = allowed.expand(batch, -1, -1, -1)
-    return StreamStep(context, step.keep, plain=False, aligned=False)
-
-
-__all__ = ["AttentionContext", "LEX_CACHES", "LexCache", "LexStaticCache", "read_stream"]
+__all__ = ["LEX_CACHES", "LexCache", "LexStaticCache"]

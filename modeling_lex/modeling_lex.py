@@ -3,8 +3,10 @@
 Reads top to bottom: norm -> feed-forward -> attention -> layer -> model -> causal-LM head. The layer math is
 TorchScale's `DecoderLayer` (pre/post norm, subln, deepnorm), so TorchScale checkpoints convert without loss,
 with the modern backbone of the Llama family beside it (grouped-query attention, RMSNorm, a gated MLP), so
-Llama, Mistral and Qwen2 checkpoints do too. Position methods live in `positions.py` (formulas in `xpos.py`),
-the attention window in `attention.py`, the bounded caches in `cache.py`.
+Llama, Mistral and Qwen2 checkpoints do too. Beside it: position methods (`positions.py`, formulas in `xpos.py`),
+who sees whom (`visibility.py`), the stream's bookkeeping (`stream.py`), the bounded caches (`cache.py`), masks
+and the attention plan (`masking.py`), the attention kernels (`kernels.py`) and the generate() glue
+(`generation.py`).
 """
 
 import math
@@ -24,9 +26,10 @@ from transformers.utils.output_capturing import capture_outputs
 
 from configuration_lex.configuration_lex import LexConfig
 
-from .attention import AttentionPlan, build_plan, eager_attention_forward, run_attention
-from .cache import LEX_CACHES, LexCache, LexStaticCache, read_stream
+from .cache import LEX_CACHES, LexCache, LexStaticCache
 from .generation import CACHE_NAME, LexGenerationMixin, accepts_both_cache_names, cache_field
+from .kernels import eager_attention_forward, run_attention
+from .masking import AttentionPlan, build_plan, read_stream
 from .positions import position_method
 from .xpos import sinusoidal_embedding
 
@@ -111,12 +114,12 @@ class LexAttention(nn.Module):
         self.v_proj = nn.Linear(size, kv, bias=config.attention_bias)
         self.o_proj = nn.Linear(inner, size, bias=config.attention_output_bias)
         self.inner_attn_ln = make_norm(config, inner) if config.subln else None
-        self.positions = position_method(config)
-        self.positions.add_parameters(self)
+        self.position_method = position_method(config)
+        self.position_method.add_parameters(self)
 
     def learned_bias(self, distance: torch.Tensor) -> torch.Tensor:
         """This layer's learned position bias (KERPLE) for query-minus-key distances (tile layout)."""
-        return self.positions.learned_bias(self, distance)
+        return self.position_method.learned_bias(self, distance)
 
     def forward(
         self,
@@ -131,7 +134,7 @@ class LexAttention(nn.Module):
         value = self.v_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
         query, key = plan.encode_tokens(query), plan.encode_tokens(key)
         if cache is not None:
-            key, value = cache.update(key, value, self.layer_idx)
+            key, value = cache.update(key, value, self.layer_idx, plan.step)
         dropout = self.config.attention_dropout if self.training else 0.0
         interface = eager_attention_forward
         if not plan.attention_maps:  # maps come from the eager computation, whatever the backend
@@ -196,7 +199,7 @@ class LexPreTrainedModel(PreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
         if isinstance(module, LexAttention):
-            module.positions.init_parameters(module)
+            module.position_method.init_parameters(module)
 
 
 class LexModel(LexPreTrainedModel):
@@ -208,23 +211,23 @@ class LexModel(LexPreTrainedModel):
         self.dropout = nn.Dropout(config.hidden_dropout)
         self.layers = nn.ModuleList([LexDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = make_norm(config, config.hidden_size) if config.normalize_before else None
-        self.positions = position_method(config)
+        self.position_method = position_method(config)
         self.gradient_checkpointing = False
         self.post_init()
 
-    def embed(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, positions: torch.Tensor):
+    def embed(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, position_ids: torch.Tensor):
         """TorchScale's forward_embedding: scale, [absolute sinusoidal positions], [LayerNorm], dropout."""
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         hidden = inputs_embeds * self.config.embedding_scale
         if self.config.absolute_position_embedding == "sinusoidal":
-            if not torch.compiler.is_compiling() and positions.max() >= self.config.max_position_embeddings:
+            if not torch.compiler.is_compiling() and position_ids.max() >= self.config.max_position_embeddings:
                 logger.warning_once(
                     "sinusoidal (absolute) positions beyond the training length max_position_embeddings="
                     f"{self.config.max_position_embeddings} were never seen in training; blockwise and sliding "
                     "attention limit which keys a query sees, not the positions it is given"
                 )
-            table = sinusoidal_embedding(positions + self.config.absolute_position_offset, self.config.hidden_size)
+            table = sinusoidal_embedding(position_ids + self.config.absolute_position_offset, self.config.hidden_size)
             hidden = hidden + table.to(hidden.dtype)
         if self.layernorm_embedding is not None:
             hidden = self.layernorm_embedding(hidden)
@@ -260,7 +263,8 @@ class LexModel(LexPreTrainedModel):
         step = read_stream(self.config, *reference.shape[:2], self.embed_tokens.weight.device, attention_mask,
                            position_ids, cache)
         maps = kwargs.get("output_attentions", self.config.output_attentions)
-        plan = build_plan(self.config, self.positions, step, self.embed_tokens.weight.dtype, attention_maps=bool(maps))
+        plan = build_plan(self.config, self.position_method, step, self.embed_tokens.weight.dtype,
+                          attention_maps=bool(maps))
         hidden_states = self.embed(input_ids, inputs_embeds, step.context.query_positions)
         for layer in self.layers:
             hidden_states = layer(hidden_states, plan=plan, cache=cache, **kwargs)

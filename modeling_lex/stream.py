@@ -6,7 +6,8 @@ token's starts a new one (padding-free packing), and a document sees nothing bef
 
 `Stream.step` turns the tokens of one forward into a `StreamStep`, the one record the attention plan reads:
 where the keys come from and which documents the queries belong to (`AttentionContext`), how many window keys
-the cache holds afterwards, and whether plain causal attention is exact. It is the same code for every cache and
+the cache holds afterwards and where its sink slots' new contents come from (what a cache's layers store, handed to
+them as an argument), and whether plain causal attention is exact. It is the same code for every cache and
 for none: LexCache and LexStaticCache keep a `Stream` between forwards; a forward without a cache, or with a
 transformers cache that holds every past key, reads through a `Stream` made for that forward.
 
@@ -21,10 +22,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-
-def sink_count(config) -> int:
-    """S: how many first tokens of each document every later query sees (none in full mode: it sees everything)."""
-    return 0 if config.attention_mode == "full" else config.attention_sinks
+from .visibility import locate_in_window, sink_count, sink_indices
 
 
 @dataclass
@@ -106,6 +104,7 @@ class StreamStep:
 
     context: AttentionContext
     keep: int | None  # window keys a cache holds after this forward (None: all of them)
+    sink_source: torch.Tensor | None  # (B, S) where each sink slot's next content comes from (None: as it is)
     plain: bool  # one document from the stream's start, no padding, nothing held: plain causal attention is exact
     aligned: bool  # each row one document whose blocks start where the new tokens' chunks do
 
@@ -113,17 +112,17 @@ class StreamStep:
 class Stream:
     """The metadata a LEX cache keeps besides keys and values (see the module docstring).
 
-    `static=True` (LexStaticCache): `window` slots that exist from the start (empty ones not valid) and are written
+    `static=True` (LexStaticCache): `window_slots` slots that exist from the start (empty ones not valid), written
     in place, and no reads on the host, so that a compiled decoding step has one shape and no graph break.
     `unbounded=True`: every key is kept (a forward without a cache, or with a cache that keeps all past keys).
     """
 
     def __init__(
-        self, config, window: int | None = None, sinks: int | None = None, static: bool = False,
+        self, config, window_slots: int | None = None, sinks: int | None = None, static: bool = False,
         unbounded: bool = False,
     ) -> None:
         self.config = config
-        self.window = window  # slots of the window part (static), or None: as many as the policy keeps
+        self.window_slots = window_slots  # slots of the window part (static), or None: as many as the policy keeps
         self.sinks = sink_count(config) if sinks is None else sinks
         self.static = static
         self.unbounded = unbounded  # hold every key (a forward without a LEX cache: nothing is dropped)
@@ -138,19 +137,18 @@ class Stream:
         self.record_past = False
         self.floor = 0  # the earliest stream length `roll_back` can return to, while recording
         self.removable_from: int | None = None  # tokens from this stream index on may be rolled back (see mark)
-        self.sink_source: torch.Tensor | None = None  # (B, S) where each sink slot's next content comes from
 
     @property
     def held(self) -> int:
         return 0 if self.index is None else self.index.shape[0]
 
     def _initialize(self, batch: int, device: torch.device) -> None:
-        slots, sinks = self.window or 0, self.sinks
-        self.positions = torch.zeros(batch, slots, dtype=torch.long, device=device)
-        self.valid = torch.zeros(batch, slots, dtype=torch.bool, device=device)
-        self.index = torch.arange(-slots, 0, device=device)
+        window_slots, sinks = self.window_slots or 0, self.sinks
+        self.positions = torch.zeros(batch, window_slots, dtype=torch.long, device=device)
+        self.valid = torch.zeros(batch, window_slots, dtype=torch.bool, device=device)
+        self.index = torch.arange(-window_slots, 0, device=device)
         self.state = self.base = StreamState.fresh(batch, device)
-        self.after = StreamState.fresh(batch, device).map(lambda t: t[:, None].expand(batch, slots).clone())
+        self.after = StreamState.fresh(batch, device).map(lambda t: t[:, None].expand(batch, window_slots).clone())
         self.sink_index = torch.arange(sinks, device=device).expand(batch, sinks).clone()
         self.sink_positions = torch.zeros(batch, sinks, dtype=torch.long, device=device)
         self.sink_valid = torch.zeros(batch, sinks, dtype=torch.bool, device=device)
@@ -173,8 +171,8 @@ class Stream:
         caller_plain: bool,
     ) -> StreamStep:
         """Register the tokens of one forward (their position ids, None to continue each row's positions, and
-        which are real) and return what the forward reads. The window keys to keep are recorded for the cache's
-        layers (`keep`, `sink_source`); the metadata is updated to after the forward.
+        which are real) and return what the forward reads, with what the cache's layers keep (`keep`,
+        `sink_source`); the metadata is updated to after the forward.
 
         `caller_plain`: the caller passed neither a mask nor position ids, so the tokens are one document without
         padding (known without reading tensors on the host).
@@ -206,7 +204,7 @@ class Stream:
             aligned = plain
         else:
             first = document_start[:, :1]
-            block = self.config.attention_window // 2
+            block = self.config.bca_block_length
             aligned = bool((document_start == first).all()) and bool(((query_index[0] - first) % block == 0).all())
         all_after = StreamState(*(torch.cat([getattr(self.after, f.name), getattr(after, f.name)], dim=1)
                                   for f in fields(after)))
@@ -216,36 +214,34 @@ class Stream:
             self.seen += length
         available = int(context.key_index.shape[0])
         keep = self._keep(available, context.key_index[0], all_after, self.base)
-        self._update_sinks(context, after.map(lambda t: t[:, -1]), dropping=keep < available)
+        sink_source = self._refill_sink_slots(context, after.map(lambda t: t[:, -1]), dropping=keep < available)
         self._hold(context, all_after, keep)
-        return StreamStep(context, None if self.unbounded else keep, plain, aligned)
+        return StreamStep(context, None if self.unbounded else keep, sink_source, plain, aligned)
 
-    def _update_sinks(self, context: AttentionContext, now: StreamState, dropping: bool) -> None:
-        """Point each sink slot at token (current document start + j): in the window part if it lies there (its
-        column among the keys the cache returns, the sink slots first), else the slot keeps what it holds. The
-        slots come into being with the first dropped key."""
-        sinks, slots = self.sinks, context.sink_index.shape[1]
-        if sinks == 0 or not (slots or dropping):
-            self.sink_source = None
-            return
-        wanted = now.start[:, None] + torch.arange(sinks, device=now.start.device)  # (B, S)
-        column = wanted - context.key_index[0]
-        in_window = column >= 0
-        column = column.clamp(0, context.key_index.shape[0] - 1)
+    def _refill_sink_slots(self, context: AttentionContext, now: StreamState, dropping: bool) -> torch.Tensor | None:
+        """Point each sink slot at token (current document start + j): in the window part if it lies there, else
+        the slot keeps what it holds. Returns where each slot's content comes from, as a column among the keys the
+        cache returns (the sink slots first), or None while there are no slots: they come into being with the
+        first dropped key."""
+        sinks, sink_slots = self.sinks, context.sink_index.shape[1]
+        if sinks == 0 or not (sink_slots or dropping):
+            return None
+        wanted = sink_indices(now.start, sinks)  # (B, S)
+        column, in_window = locate_in_window(wanted, context.key_index)
         exists = in_window & (wanted < self.seen)
         slot = torch.arange(sinks, device=column.device)
-        self.sink_source = torch.where(in_window, slots + column, slot.clamp(max=max(slots - 1, 0)))
         kept = (self.sink_index == wanted) & self.sink_valid
         positions = torch.where(in_window, context.key_positions.gather(1, column), self.sink_positions)
         valid = torch.where(in_window, exists & context.key_valid.gather(1, column), kept)
         self._store(("sink_index", wanted), ("sink_positions", positions), ("sink_valid", valid))
         self.sink_slots = sinks
+        return torch.where(in_window, sink_slots + column, slot.clamp(max=max(sink_slots - 1, 0)))
 
     def _keep(self, available: int, first_index: torch.Tensor, after: StreamState, base: StreamState) -> int:
         """How many of the latest `available` window keys (from stream index `first_index`, with the state after
         each in `after` and before them in `base`) queries from the rollback floor on may still see."""
         if self.static:
-            return self.window
+            return self.window_slots
         mode, window = self.config.attention_mode, self.config.attention_window
         if mode == "full" or self.unbounded:
             return available
@@ -259,7 +255,7 @@ class Stream:
         else:
             offset = floor - 1 - int(first_index)
             start = after.start[:, offset] if offset >= 0 else base.start
-            block = window // 2
+            block = self.config.bca_block_length
             first_needed = int((start + torch.div(floor - start, block, rounding_mode="floor") * block - block).min())
         return max(0, min(available, self.seen - first_needed))
 
@@ -331,7 +327,7 @@ class Stream:
     def _roll_back_sinks(self, state: StreamState, target: int) -> None:
         """Sink slots after a rollback: tokens removed are gone; a document that began in the removed tokens gives
         its rows back their earlier document, whose sinks must still be held (in a slot or the window part)."""
-        wanted = state.start[:, None] + torch.arange(self.sinks, device=state.start.device)
+        wanted = sink_indices(state.start, self.sinks)
         oldest = int(self.index[0]) if self.held else self.seen
         lost = (wanted != self.sink_index) & (wanted < oldest) & (wanted < target)
         if bool(lost.any()):

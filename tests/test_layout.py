@@ -1,5 +1,5 @@
 """The package's layout: imports flow one way (model < converters < library < command lines), with no cycle,
-function-level imports included."""
+function-level imports included; inside the model, the rooms of modeling_lex/ flow one way too."""
 
 import ast
 from pathlib import Path
@@ -9,6 +9,20 @@ PACKAGES = ("configuration_lex", "modeling_lex", "convert", "lex")
 # A module may import modules of its own layer or below, never above.
 LAYERS = {"configuration_lex": 0, "modeling_lex": 1, "convert": 2, "lex": 3, "lex.metrics": 4, "lex.commands": 4,
           "lex.cli": 5}
+# The rooms of modeling_lex/, each importing only rooms before it: formulas, then who sees whom, the stream's
+# bookkeeping, the generate() glue, the caches that store what each step says, the masks and the attention plan,
+# the kernels that run it, and the model file that reads top to bottom.
+MODEL_ROOMS = {
+    "modeling_lex.xpos": "position formulas (xPos, RoPE, ALiBi, KERPLE, Sandwich, sinusoidal)",
+    "modeling_lex.positions": "one class per position_embedding_type, in one registry",
+    "modeling_lex.visibility": "who sees whom: the window rule, the one sink rule, the chunk index map",
+    "modeling_lex.stream": "the stream's bookkeeping: documents, positions, what a cache holds, rollback",
+    "modeling_lex.generation": "every coupling to transformers' generate() loop, with the versions it targets",
+    "modeling_lex.cache": "the bounded caches: storage that each step's record tells what to keep",
+    "modeling_lex.masking": "the caller's mask read into the stream; the attention plan's tiles and masks",
+    "modeling_lex.kernels": "the attention backends run over the plan's tiles",
+    "modeling_lex.modeling_lex": "norm, MLP, attention, layer, model, causal-LM head; the Auto classes",
+}
 
 
 def module_name(path: Path) -> str:
@@ -52,8 +66,16 @@ def test_the_import_reader_sees_function_level_and_relative_imports():
     edges = graph()
     assert "lex.data" in edges["lex.perplexity"]  # from .data import ...
     assert "lex.study" in edges["lex.commands.demo"]  # from lex import study
-    assert "modeling_lex.attention" in edges["lex.resolution"]
+    assert "modeling_lex.kernels" in edges["lex.resolution"]
     assert "lex.commands.train" not in edges["lex.cli"]  # the dispatcher imports by name, on demand
+
+
+def test_the_model_rooms_are_every_module_and_import_only_earlier_rooms():
+    edges, order = graph(), list(MODEL_ROOMS)
+    assert set(order) == {name for name in edges if name.startswith("modeling_lex.")}
+    later = [f"{name} -> {target}" for name in order for target in edges[name]
+             if target in MODEL_ROOMS and order.index(target) > order.index(name)]
+    assert later == []
 
 
 def test_imports_flow_down_the_layers():

@@ -1,0 +1,120 @@
+"""The attention kernels: each layer's q, k, v run through the forward's plan (masking.py), tile by tile, on the
+attention backend transformers selects (eager, sdpa, ...), with the reference eager computation beside them."""
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers.integrations.sdpa_attention import repeat_kv
+
+from .masking import AttentionPlan, Tile
+from .xpos import apply_rotary
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    position_bias: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference attention: softmax(q k^T * scaling + bias, masked) v in float32 softmax; grouped key/value heads
+    are repeated for their query heads."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if position_bias is not None:
+        scores = scores + position_bias
+    if attention_mask is None:
+        q_len, k_len = scores.shape[-2:]
+        attention_mask = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device).tril(k_len - q_len)
+    if attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+    else:
+        scores = scores + attention_mask
+    weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+def _chunks(x: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """x (B, H, K, d) at columns (chunks, n) shared by the rows, or (B, chunks, n) per row -> (B*chunks, H, n, d)."""
+    by_key = x.transpose(1, 2)  # (B, K, H, d)
+    if columns.dim() == 2:
+        picked = by_key.index_select(1, columns.flatten())
+    else:
+        picked = by_key[torch.arange(x.shape[0], device=x.device)[:, None], columns.flatten(1)]
+    picked = picked.view(x.shape[0], *columns.shape[-2:], x.shape[1], x.shape[3])  # (B, chunks, n, H, d)
+    return picked.permute(0, 1, 3, 2, 4).flatten(0, 1)
+
+
+def _tile_inputs(tile: Tile, sink_slots: int, query, key, value):
+    if tile.query_slots is not None:
+        return _chunks(query, tile.query_slots), _chunks(key, tile.key_columns), _chunks(value, tile.key_columns)
+    keys = slice(sink_slots + tile.key_slice.start, sink_slots + tile.key_slice.stop)
+    q, k, v = query[:, :, tile.query_slice], key[:, :, keys], value[:, :, keys]
+    if tile.sink_columns is not None:
+        index = tile.sink_columns[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[3])
+        k = torch.cat([key.gather(2, index), k], dim=2)
+        v = torch.cat([value.gather(2, index), v], dim=2)
+    return q, k, v
+
+
+def _attention_map(tile: Tile, sink_slots: int, weights: torch.Tensor, n_keys: int) -> torch.Tensor:
+    """A dense tile's weights as a map over the keys the cache returned (sink slots first): a sink column's weight
+    goes to the key it was taken from."""
+    batch, heads, length, _ = weights.shape
+    n_sinks = 0 if tile.sink_columns is None else tile.sink_columns.shape[1]
+    if n_sinks == 0 and sink_slots == 0 and tile.key_slice == slice(0, n_keys):
+        return weights  # the map itself, as the backend computed it (gradients flow through it)
+    full = weights.new_zeros(batch, heads, length, n_keys)
+    full[..., sink_slots + tile.key_slice.start : sink_slots + tile.key_slice.stop] = weights[..., n_sinks:]
+    if n_sinks:
+        index = tile.sink_columns[:, None, None, :].expand(-1, heads, length, -1)
+        full.scatter_add_(3, index, weights[..., :n_sinks])
+    return full
+
+
+def run_attention(
+    module: nn.Module,
+    interface: Callable,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    plan: AttentionPlan,
+    dropout: float,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention of raw (pre-position) q (B,H,T,d) over the raw keys and values the cache returned (B,Hkv,K,d) by
+    the plan's tiles.
+
+    `interface` is the attention backend (eager, sdpa, ...) with transformers' attention-interface signature; the
+    caller's `kwargs` pass through to it, as in modeling_llama. Returns the output (B, T, H, d) and, when the
+    plan keeps them, the attention weights as a map over the keys.
+    """
+    batch, _, total, _ = query.shape
+    outputs, weights = [], None
+    for tile in plan.tiles:
+        q, k, v = _tile_inputs(tile, plan.sink_slots, query, key, value)
+        if tile.factors is not None:
+            cos_q, sin_q, cos_k, sin_k = tile.factors
+            q, k = apply_rotary(q, cos_q, sin_q), apply_rotary(k, cos_k, sin_k)
+        bias = None if tile.distance is None else module.learned_bias(tile.distance).to(q.dtype)
+        out, weights = interface(
+            module, q, k, v, tile.mask, dropout=dropout, scaling=module.scaling, position_bias=bias, is_causal=True,
+            **kwargs,
+        )
+        if tile.query_slots is not None:
+            out = out.unflatten(0, (batch, -1)).flatten(1, 2)[:, : total - tile.first_query]
+        outputs.append(out)
+    output = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
+    if plan.attention_maps:
+        return output, _attention_map(plan.tiles[0], plan.sink_slots, weights, key.shape[2])
+    return output, None
+
+
+__all__ = ["eager_attention_forward", "run_attention"]

@@ -1,0 +1,340 @@
+"""What each query sees, as data: the caller's mask and position ids read into the stream, and the attention plan.
+
+`read_stream` is the one place a forward's `StreamStep` comes from (stream.py): a LEX cache's own stream, or a
+stream made for this forward, with the caller's 2D padding mask or own 4D mask. `build_plan` turns the step into an
+`AttentionPlan` once per forward: which keys each query may see (the window and sink rules of visibility.py,
+causal order, padding and document boundaries, as one additive mask) and the position terms of queries and keys
+relative to an anchor inside each window, tile by tile. Every layer then runs the same plan on its own q, k, v
+(kernels.py):
+
+- a *dense* tile: one group of queries against one span of keys (short inputs, decoding steps, attention maps,
+  and full attention, which walks long inputs in query chunks so no position is ever taken far from its anchor);
+- a *chunked* tile: the queries cut into chunks of one block (b = w/2) and each chunk paired with the L + b keys
+  it can reach (L = b for aligned blockwise blocks, w - 1 otherwise), all chunks in one batched attention call.
+  `chunk_map` (visibility.py) is the one index map of a chunked tile: the attention inputs are gathered with it
+  and the positions and masks are read through it. Time and memory are O(n * (L + b)), never n x n.
+
+Attention sinks: a tile also gets, per row, S *sink columns*, the first S tokens of the document of its first
+query, taken from the window part or, once the window has moved past them, from the cache's sink slots; the sink
+rule says which queries see them. Every other query of a tile belongs to a document that started inside the tile,
+whose first tokens are inside its window.
+
+No decision here reads tensor contents on the host: what needs a Python value comes from shapes or from
+`StreamStep.plain` / `.aligned`, which the stream sets from what the caller passed. So the forward compiles
+without graph breaks.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache
+
+from .cache import LEX_CACHES
+from .positions import PositionMethod
+from .stream import AttentionContext, Stream, StreamStep
+from .visibility import chunk_map, locate_in_window, seen_as_sink, sink_count, sink_indices, window_visible
+from .xpos import apply_rotary
+
+
+def read_stream(
+    config,
+    batch: int,
+    length: int,
+    device: torch.device,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    cache: Cache | None,
+) -> StreamStep:
+    """The one place a forward's `StreamStep` comes from: a LEX cache's own stream, or a stream made for this
+    forward (no cache, or a transformers cache that holds every past key contiguously), or a caller's 4D mask.
+
+    `attention_mask` is 2D, over the new tokens or over past and new ones (padding: 0), or 4D (B, 1, T, T).
+    """
+    if attention_mask is not None and attention_mask.dim() == 4:
+        return _custom_mask_step(config, batch, length, device, attention_mask, position_ids, cache)
+    lex_cache = isinstance(cache, LEX_CACHES)
+    compiling = torch.compiler.is_compiling()
+    seen = 0 if cache is None or lex_cache else cache.get_seq_length()
+    if attention_mask is not None:
+        past = attention_mask.shape[-1] - length
+        known = int(cache.stream.seen) if lex_cache and not compiling else seen
+        if attention_mask.dim() == 2 and not compiling and known == 0 and (attention_mask.shape[0] != batch or past):
+            raise ValueError(  # generate()'s first forward: the prompt
+                f"attention_mask has shape {tuple(attention_mask.shape)} but the prompt has {(batch, length)}; "
+                "a forward without cached tokens needs one mask entry per input token"
+            )
+        if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or (
+            not compiling and past not in (0, known)
+        ):
+            raise ValueError(
+                f"attention_mask must have shape ({batch}, {length}) or ({batch}, {known + length}) "
+                f"(new tokens, or past and new), got {tuple(attention_mask.shape)}"
+            )
+        mask = attention_mask.to(device=device, dtype=torch.bool)
+    else:
+        mask = torch.ones(batch, length, dtype=torch.bool, device=device)
+    caller_plain = attention_mask is None and position_ids is None
+    if lex_cache:
+        return cache.stream.step(position_ids, mask[:, -length:], caller_plain)
+    # A stream for this forward: the past a foreign cache holds (contiguous, real unless the mask says padding),
+    # then the new tokens.
+    stream = Stream(config, sinks=0, unbounded=True)
+    if position_ids is None and mask.shape[1] == seen + length:
+        position_ids = ((mask.long().cumsum(-1) - 1).masked_fill(~mask, 1))[:, -length:]
+    if seen:
+        first = position_ids[:, :1] if position_ids is not None else torch.full((batch, 1), seen, device=device)
+        past_valid = mask[:, :seen] if mask.shape[1] == seen + length else mask.new_ones(batch, seen)
+        stream.step(first.to(device) - seen + torch.arange(seen, device=device), past_valid, False)
+    return stream.step(position_ids, mask[:, -length:], caller_plain and seen == 0)
+
+
+def _custom_mask_step(
+    config, batch: int, length: int, device: torch.device, attention_mask: torch.Tensor,
+    position_ids: torch.Tensor | None, cache: Cache | None,
+) -> StreamStep:
+    """A caller's own (B, 1, T, T) mask (e.g. a shared prefix with branches): it says which keys each query sees,
+    on top of causality and the window; documents are not inferred from position ids then."""
+    if cache is not None and cache.get_seq_length():
+        raise ValueError("a 4D attention_mask is supported on a forward without cached tokens (an empty or no cache)")
+    if attention_mask.shape != (batch, 1, length, length) and attention_mask.shape != (1, 1, length, length):
+        raise ValueError(
+            f"a 4D attention_mask must have shape ({batch}, 1, {length}, {length}), got {tuple(attention_mask.shape)}"
+        )
+    allowed = attention_mask.to(device).bool() if attention_mask.dtype in (torch.bool, torch.long, torch.int) else (
+        attention_mask.to(device) == 0  # additive: 0 where allowed, the dtype's minimum elsewhere
+    )
+    if position_ids is None:
+        position_ids = torch.arange(length, device=device)
+    position_ids = position_ids.to(device).expand(batch, length)
+    valid = torch.ones(batch, length, dtype=torch.bool, device=device)
+    stream = cache.stream if isinstance(cache, LEX_CACHES) else Stream(config, sinks=0, unbounded=True)
+    step = stream.step(position_ids, valid, False)
+    context = step.context
+    context.document_start = torch.zeros_like(context.document_start)  # one document: the mask says the rest
+    context.allowed = allowed.expand(batch, -1, -1, -1)
+    return StreamStep(context, step.keep, step.sink_source, plain=False, aligned=False)
+
+
+
+@dataclass
+class Tile:
+    """A group of queries against the keys they may see, with everything position-dependent precomputed.
+
+    Dense: queries `query_slice`, keys the per-row `sink_columns` then the window part's `key_slice`. Chunked:
+    `query_slots` (chunks, b) of the new tokens against `key_columns` (chunks or (B, chunks), L + b [+ S]) of the
+    keys the cache returns (sink slots first); each chunk is one batch entry of the attention call.
+    """
+
+    factors: tuple[torch.Tensor, ...] | None  # cos_q, sin_q, cos_k, sin_k in the tile's layout
+    mask: torch.Tensor | None  # additive (0 = may attend) with any fixed bias folded in; None = plain causal
+    distance: torch.Tensor | None = None  # query-minus-key position, for biases the layers learn (KERPLE)
+    query_slice: slice | None = None
+    key_slice: slice | None = None
+    sink_columns: torch.Tensor | None = None  # (B, S)
+    query_slots: torch.Tensor | None = None  # (chunks, b)
+    first_query: int = 0  # the chunked tile's first query (its outputs start there)
+    key_columns: torch.Tensor | None = None  # (chunks, span) or (B, chunks, span)
+
+
+@dataclass
+class AttentionPlan:
+    """What every layer of one forward runs: the tiles, and the step whose keys the cache's layers keep."""
+
+    step: StreamStep
+    tiles: list[Tile]
+    sink_slots: int  # S': the cache's sink slots, which come first among the keys it returns
+    attention_maps: bool = False  # one dense tile over every key, whose weights are the full attention map
+    token_factors: tuple[torch.Tensor, torch.Tensor] | None = None  # (B, 1, T, d): per-token encodings (RoPE)
+
+    def encode_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """The new tokens' queries or keys (B, H, T, d) encoded at their own positions, for methods that are
+        per token (the cache then holds encoded keys); unchanged otherwise."""
+        return x if self.token_factors is None else apply_rotary(x, *self.token_factors)
+
+
+def additive_mask(allowed: torch.Tensor | None, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """One additive mask in the model's dtype (0 or the bias where allowed, the dtype's minimum elsewhere).
+
+    Built once per forward: backends would otherwise convert a boolean mask (and add a bias) in every layer.
+    """
+    if allowed is None and bias is None:
+        return None
+    base = torch.zeros((), dtype=dtype, device=(allowed if bias is None else bias).device)
+    if bias is not None:
+        base = bias.to(dtype)
+    if allowed is None:
+        q_len, k_len = bias.shape[-2:]
+        allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=bias.device).tril(k_len - q_len)
+    return torch.where(allowed, base, torch.finfo(dtype).min)
+
+
+def _gather_rows(values: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """values (B, K) at per-row columns (B, ...) -> (B, ...)."""
+    return values.gather(1, columns.flatten(1)).view(columns.shape)
+
+
+def locate_sinks(config, ctx: AttentionContext, start: torch.Tensor):
+    """The sink columns of documents starting at stream index `start` (B, ...): their columns among the keys the
+    cache returns (sink slots first), stream indices, positions and validity, each `start.shape + (S,)`."""
+    sinks, sink_slots = sink_count(config), ctx.sink_index.shape[1]
+    wanted = sink_indices(start, sinks)
+    column, in_window = locate_in_window(wanted, ctx.key_index)
+    positions = _gather_rows(ctx.key_positions, column)
+    valid = in_window & (wanted <= ctx.key_index[-1]) & _gather_rows(ctx.key_valid, column)
+    columns = sink_slots + column
+    if sink_slots:  # older sinks live in the cache's sink slots, one per row
+
+        def per_row(t: torch.Tensor) -> torch.Tensor:
+            return t.view(t.shape[0], *[1] * (wanted.dim() - 2), t.shape[1]).expand(wanted.shape)
+
+        slot = torch.arange(sinks, device=start.device).expand(wanted.shape)
+        held = per_row(ctx.sink_valid) & (per_row(ctx.sink_index) == wanted)
+        positions = torch.where(in_window, positions, per_row(ctx.sink_positions))
+        valid = torch.where(in_window, valid, held)
+        columns = torch.where(in_window, columns, slot)
+    return columns, wanted, positions, valid
+
+
+def allowed_keys(config, q_index, k_index, k_valid, start, n_sinks: int, allowed_4d=None) -> torch.Tensor:
+    """Which keys each query sees; the first `n_sinks` key columns are sink columns, seen by the sink rule. Shapes
+    broadcast: q_index/start (..., T, 1), k_index/k_valid (..., 1, K)."""
+    k_index, sink_index = k_index[..., n_sinks:], k_index[..., :n_sinks]
+    allowed = window_visible(config, q_index, k_index, start) & k_valid[..., n_sinks:]
+    allowed = allowed | (q_index == k_index)  # a padding query sees itself, so its row has a key
+    if allowed_4d is not None:
+        allowed = allowed & allowed_4d
+    if n_sinks:
+        as_sink = seen_as_sink(config, q_index, sink_index, start) & k_valid[..., :n_sinks]
+        allowed = torch.cat([as_sink.expand(*allowed.shape[:-1], n_sinks), allowed], dim=-1)
+    return allowed
+
+
+def _terms(position_method: PositionMethod, q_rel: torch.Tensor, k_rel: torch.Tensor):
+    terms = position_method.terms(q_rel, k_rel)
+    return terms.factors, terms.bias, terms.distance
+
+
+def _dense_tile(
+    config, position_method: PositionMethod, ctx: AttentionContext, queries: slice, keys: slice, dtype: torch.dtype,
+    plain: bool,
+) -> Tile:
+    anchor = ctx.query_positions[:, queries.start : queries.start + 1]
+    k_index = ctx.key_index[keys].expand(anchor.shape[0], -1)
+    k_positions, k_valid = ctx.key_positions[:, keys], ctx.key_valid[:, keys]
+    sink_columns, n_sinks = None, 0
+    if sink_count(config) and not plain:
+        sink_columns, sink_index, sink_positions, sink_valid = locate_sinks(
+            config, ctx, ctx.document_start[:, queries.start])
+        k_index = torch.cat([sink_index, k_index], dim=1)
+        k_positions = torch.cat([sink_positions, k_positions], dim=1)
+        k_valid = torch.cat([sink_valid, k_valid], dim=1)
+        n_sinks = sink_index.shape[1]
+    q_rel = ctx.query_positions[:, queries] - anchor
+    k_rel = torch.where(k_valid, k_positions, anchor) - anchor  # padding and empty slots: at 0
+    factors, bias, distance = _terms(position_method, q_rel, k_rel)
+    if factors is not None:
+        factors = tuple(f.unsqueeze(1) for f in factors)  # broadcast over heads
+    allowed = None
+    if not plain:
+        allowed_4d = None if ctx.allowed is None else ctx.allowed[:, 0, queries, keys]
+        allowed = allowed_keys(config, ctx.query_index[queries][None, :, None], k_index[:, None, :],
+                               k_valid[:, None, :],
+                        ctx.document_start[:, queries, None], n_sinks, allowed_4d).unsqueeze(1)
+    return Tile(factors, additive_mask(allowed, bias, dtype), distance, query_slice=queries, key_slice=keys,
+                sink_columns=sink_columns)
+
+
+def _chunked_tile(
+    config, position_method: PositionMethod, ctx: AttentionContext, dtype: torch.dtype, aligned: bool
+) -> Tile:
+    """All new queries in chunks of one block (b = w/2), each against its L + b reachable keys (and S sink
+    columns), as one batched call."""
+    total, n_keys = ctx.query_positions.shape[1], ctx.key_positions.shape[1]
+    block = config.bca_block_length
+    left = block if aligned and config.attention_mode == "blockwise" else config.attention_window - 1
+    query_slots, key_slots, exists = chunk_map(total, n_keys, block, left, ctx.query_positions.device)
+
+    q_pos = ctx.query_positions[:, query_slots]  # (B, chunks, b)
+    anchor = q_pos[:, :, :1]
+    k_index = torch.where(exists, ctx.key_index[key_slots], -1).expand(q_pos.shape[0], -1, -1)  # -1: no key
+    k_positions, k_valid = ctx.key_positions[:, key_slots], ctx.key_valid[:, key_slots] & exists
+    key_columns, n_sinks = ctx.sink_index.shape[1] + key_slots, 0
+    start = ctx.document_start[:, query_slots]  # (B, chunks, b)
+    if sink_count(config):
+        sink_columns, sink_index, sink_positions, sink_valid = locate_sinks(config, ctx, start[:, :, 0])
+        key_columns = torch.cat([sink_columns, key_columns.expand(q_pos.shape[0], -1, -1)], dim=2)
+        k_index = torch.cat([sink_index, k_index], dim=2)
+        k_positions = torch.cat([sink_positions, k_positions], dim=2)
+        k_valid = torch.cat([sink_valid, k_valid], dim=2)
+        n_sinks = sink_index.shape[2]
+    k_rel = torch.where(k_valid, k_positions, anchor) - anchor
+    factors, bias, distance = _terms(position_method, q_pos - anchor, k_rel)
+    if factors is not None:
+        factors = tuple(f.flatten(0, 1).unsqueeze(1) for f in factors)  # (B*chunks, 1, len, d)
+    if bias is not None:
+        bias = bias.flatten(0, 1)
+    if distance is not None:
+        distance = distance.flatten(0, 1)
+    allowed = allowed_keys(config, ctx.query_index[query_slots][None, :, :, None], k_index[:, :, None, :],
+                    k_valid[:, :, None, :], start[..., None], n_sinks)
+    mask = additive_mask(allowed.flatten(0, 1).unsqueeze(1), bias, dtype)  # (B*chunks, 1 or H, b, span)
+    return Tile(factors, mask, distance, query_slots=query_slots, key_columns=key_columns)
+
+
+def _uniform_chunked_tile(
+    config, position_method: PositionMethod, ctx: AttentionContext, dtype: torch.dtype, first: int
+) -> Tile:
+    """Queries from `first` on, in chunks of one block, when every chunk sees the same pattern: one document from stream
+    index 0 with consecutive positions and no padding, chunks aligned with blocks, every reachable key present
+    and no sinks. Position factors, mask and bias are then one (b, L + b) pattern broadcast over all chunks."""
+    total, n_keys = ctx.query_positions.shape[1], ctx.key_positions.shape[1]
+    block = config.bca_block_length
+    left = block if config.attention_mode == "blockwise" else config.attention_window - 1
+    device = ctx.query_positions.device
+    query_slots, key_slots, _ = chunk_map(total - first, n_keys, block, left, device)
+    q_rel = torch.arange(block, device=device)[None]
+    k_rel = torch.arange(-left, block, device=device)[None]
+    factors, bias, distance = _terms(position_method, q_rel, k_rel)
+    if factors is not None:
+        factors = tuple(f.unsqueeze(1) for f in factors)  # (1, 1, len, d)
+    q_index = first + q_rel[0, :, None]
+    k_index = first + k_rel[0, None, :]
+    allowed = window_visible(config, q_index, k_index, torch.zeros((), dtype=torch.long, device=device))
+    return Tile(factors, additive_mask(allowed[None, None], bias, dtype), distance, query_slots=first + query_slots,
+                first_query=first, key_columns=key_slots)
+
+
+def build_plan(
+    config, position_method: PositionMethod, step: StreamStep, dtype: torch.dtype, attention_maps: bool = False
+) -> AttentionPlan:
+    """Choose the tiles for this forward. For n <= w all modes are the same computation (one causal tile).
+
+    `attention_maps`: one dense tile over every key (O(T * keys) memory, the caller's choice), so each layer's
+    attention weights are the full (batch, heads, T, keys) map.
+    """
+    ctx = step.context
+    total, n_keys = ctx.query_positions.shape[1], ctx.key_positions.shape[1]
+    window = config.attention_window
+    plan = AttentionPlan(step, [], ctx.sink_index.shape[1], attention_maps)
+    if position_method.per_token:
+        plan.token_factors = tuple(f.unsqueeze(1) for f in position_method.token_factors(ctx.query_positions))
+    if total <= window or attention_maps or ctx.allowed is not None:  # a 4D mask is O(T * K) already
+        plain = step.plain and not attention_maps
+        plan.tiles = [_dense_tile(config, position_method, ctx, slice(0, total), slice(0, n_keys), dtype, plain)]
+    elif config.attention_mode != "full":
+        if step.plain and step.aligned and not sink_count(config):  # w queries plainly causal, then one pattern
+            first = _dense_tile(config, position_method, ctx, slice(0, window), slice(0, window), dtype, plain=True)
+            plan.tiles = [first, _uniform_chunked_tile(config, position_method, ctx, dtype, window)]
+        else:
+            plan.tiles = [_chunked_tile(config, position_method, ctx, dtype, step.aligned)]
+    else:
+        cached = n_keys - total
+        plan.tiles = [
+            _dense_tile(config, position_method, ctx, slice(start, min(start + window, total)),
+                        slice(0, cached + min(start + window, total)), dtype, plain=False)
+            for start in range(0, total, window)
+        ]
+    return plan
+
+
+__all__ = ["AttentionPlan", "Tile", "build_plan", "read_stream"]
