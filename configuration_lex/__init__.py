@@ -10,6 +10,7 @@ from .configuration_lex import (
     NORM_TYPES,
     POSITION_EMBEDDING_TYPES,
     ROPE_TYPES,
+    SINK_POSITIONS,
     LexConfig,
 )
 
@@ -17,5 +18,5 @@ AutoConfig.register("lex", LexConfig, exist_ok=True)
 
 __all__ = [
     "ABSOLUTE_POSITION_EMBEDDINGS", "ATTENTION_MODES", "HIDDEN_ACTS", "MLP_TYPES", "NORM_TYPES", "POSITION_EMBEDDING_TYPES",
-    "ROPE_TYPES", "LexConfig",
+    "ROPE_TYPES", "SINK_POSITIONS", "LexConfig",
 ]

@@ -35,6 +35,10 @@ MlpType = Literal["fc", "gated"]
 # positions inside each window, so "dynamic" (and "longrope", which switches factors by length) cannot be reproduced.
 RopeType = Literal["default", "linear", "llama3", "yarn"]
 AbsolutePositionEmbedding = Literal[None, "sinusoidal"]
+# Where attention sinks are seen from: "true", at their own positions (the distance grows with the document);
+# "cache", StreamingLLM's positions within the cache (the sinks just before the query's window), so a sink is never
+# further than S + w from its query.
+SinkPositions = Literal["true", "cache"]
 
 POSITION_EMBEDDING_TYPES: tuple[str, ...] = get_args(PositionEmbeddingType)
 ATTENTION_MODES: tuple[str, ...] = get_args(AttentionMode)
@@ -43,6 +47,7 @@ NORM_TYPES: tuple[str, ...] = get_args(NormType)
 MLP_TYPES: tuple[str, ...] = get_args(MlpType)
 ROPE_TYPES: tuple[str, ...] = get_args(RopeType)
 ABSOLUTE_POSITION_EMBEDDINGS: tuple[str | None, ...] = get_args(AbsolutePositionEmbedding)
+SINK_POSITIONS: tuple[str, ...] = get_args(SinkPositions)
 
 # Field validators (the type is checked first, so these see numbers only; bools are refused as numbers).
 positive = interval(min=0, exclude_min=True)
@@ -67,8 +72,14 @@ class LexConfig(PreTrainedConfig):
             the previous one), "sliding" (the last `attention_window` keys) or "full".
         attention_window: w; defaults to `max_position_embeddings`. Must be even and at least 4.
         attention_sinks: S; in blockwise and sliding modes the first S tokens of each document stay visible to
-            every later query of that document, whatever the distance (StreamingLLM's attention sinks), seen at
-            their true distance. 0 (default): none. Full mode sees everything anyway.
+            every later query of that document, whatever the distance (StreamingLLM's attention sinks). 0
+            (default): none. Full mode sees everything anyway.
+        attention_sink_positions: where a query sees its sinks from. "true" (default): at their own positions, so
+            a sink's distance grows with the document (a model trained with sinks at true distance); "cache":
+            StreamingLLM's positions within the cache, the S sinks just before the query's window (sink j at
+            distance S - j + the query's offset in its window), never further than S + w, so a model pretrained
+            with full attention never sees a distance beyond S + w (what a converted Llama, Mistral or Qwen2
+            checkpoint gets).
         xpos_scale_base: B in zeta^(n/B). xpos_gamma: gamma in zeta_i = (2i + gamma d) / ((1 + gamma) d).
         rope_parameters: the rotation frequencies of "xpos", "rope" and "decay" (transformers v5's field):
             `rope_theta` (default 10000; a `rope_theta=` keyword, as older configs saved it, lands here) and
@@ -112,6 +123,7 @@ class LexConfig(PreTrainedConfig):
     attention_mode: AttentionMode = "blockwise"
     attention_window: int | None = None  # even and >= 4 once defaulted: validate_architecture
     attention_sinks: int = non_negative(default=0)
+    attention_sink_positions: SinkPositions = "true"
     xpos_scale_base: float | int = positive(default=512.0)
     xpos_gamma: float | int = non_negative(default=0.4)
     rope_parameters: RopeParameters | dict | None = None  # {"rope_type": "default", "rope_theta": 10000.0} once set
@@ -214,6 +226,7 @@ __all__ = [
     "NORM_TYPES",
     "POSITION_EMBEDDING_TYPES",
     "ROPE_TYPES",
+    "SINK_POSITIONS",
     "AttentionMode",
     "HiddenAct",
     "LexConfig",
@@ -221,4 +234,5 @@ __all__ = [
     "NormType",
     "PositionEmbeddingType",
     "RopeType",
+    "SinkPositions",
 ]

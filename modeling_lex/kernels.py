@@ -79,6 +79,16 @@ def _attention_map(tile: Tile, sink_slots: int, weights: torch.Tensor, n_keys: i
     return full
 
 
+def _meet_sinks_in_their_frame(q: torch.Tensor, q_sink: torch.Tensor, k: torch.Tensor, sinks: int):
+    """Each query twice along the head dimension, as encoded and in the sink frame; the window keys meet the first
+    copy and the first `sinks` key columns the second, so one attention call scores the sinks at their places
+    in the cache while every other key keeps its own (the values are untouched)."""
+    zeros = k.new_zeros(*k.shape[:-2], sinks, k.shape[-1])
+    window = torch.cat([zeros, k[..., sinks:, :]], dim=-2)
+    in_frame = torch.cat([k[..., :sinks, :], k.new_zeros(*k.shape[:-2], k.shape[-2] - sinks, k.shape[-1])], dim=-2)
+    return torch.cat([q, q_sink], dim=-1), torch.cat([window, in_frame], dim=-1)
+
+
 def run_attention(
     module: nn.Module,
     interface: Callable,
@@ -99,10 +109,13 @@ def run_attention(
     batch, _, total, _ = query.shape
     outputs, weights = [], None
     for tile in plan.tiles:
-        q, k, v = _tile_inputs(tile, plan.sink_slots, query, key, value)
+        given, k, v = _tile_inputs(tile, plan.sink_slots, query, key, value)
+        q = given
         if tile.factors is not None:
             cos_q, sin_q, cos_k, sin_k = tile.factors
-            q, k = apply_rotary(q, cos_q, sin_q), apply_rotary(k, cos_k, sin_k)
+            q, k = apply_rotary(given, cos_q, sin_q), apply_rotary(k, cos_k, sin_k)
+        if tile.sink_query_factors is not None:
+            q, k = _meet_sinks_in_their_frame(q, apply_rotary(given, *tile.sink_query_factors), k, tile.n_sinks)
         bias = None if tile.distance is None else module.learned_bias(tile.distance).to(q.dtype)
         out, weights = interface(
             module, q, k, v, tile.mask, dropout=dropout, scaling=module.scaling, position_bias=bias, is_causal=True,

@@ -32,7 +32,9 @@ from transformers.cache_utils import Cache
 from .cache import LEX_CACHES
 from .positions import PositionMethod
 from .stream import AttentionContext, Stream, StreamStep
-from .visibility import chunk_map, locate_in_window, seen_as_sink, sink_count, sink_indices, window_visible
+from .visibility import (
+    chunk_map, locate_in_window, seen_as_sink, sink_count, sink_frame, sink_indices, window_visible,
+)
 from .xpos import apply_rotary
 
 
@@ -134,6 +136,10 @@ class Tile:
     query_slots: torch.Tensor | None = None  # (chunks, b)
     first_query: int = 0  # the chunked tile's first query (its outputs start there)
     key_columns: torch.Tensor | None = None  # (chunks, span) or (B, chunks, span)
+    # Sinks at their positions within the cache (attention_sink_positions="cache") for a rotary method: the first
+    # `n_sinks` key columns are met by a second copy of each query, encoded in the sink frame by these factors.
+    sink_query_factors: tuple[torch.Tensor, torch.Tensor] | None = None
+    n_sinks: int = 0
 
 
 @dataclass
@@ -214,6 +220,32 @@ def _terms(position_method: PositionMethod, q_rel: torch.Tensor, k_rel: torch.Te
     return terms.factors, terms.bias, terms.distance
 
 
+def _sink_frame_terms(config, position_method: PositionMethod, terms: tuple, q_index, start, q_positions,
+                      sink_positions):
+    """The position terms of the first S key columns (the sinks) in the sink frame (visibility.sink_frame), for
+    attention_sink_positions="cache"; the other columns keep theirs. Returns (factors, bias, distance,
+    sink_query_factors): a rotary method meets the sinks with a second copy of each query encoded in the frame
+    (per-token RoPE: moved from its own position by the shift that puts the stored sink keys there)."""
+    factors, bias, distance = terms
+    q_frame, k_frame = sink_frame(config, q_index, start)
+    sinks = k_frame.shape[0]
+    if position_method.per_token:  # keys hold their own positions: sink j is at p_s + j, the frame puts it at
+        shift = q_frame - k_frame[0] + sink_positions[..., :1] - q_positions  # p_q - (q_frame - k_frame[j]) - j
+        return factors, bias, distance, position_method.shift_factors(shift)
+    sink = position_method.terms(q_frame, k_frame.expand(*q_frame.shape[:-1], sinks))
+    query_factors = None
+    if sink.factors is not None:
+        cos_q, sin_q, cos_k, sin_k = sink.factors
+        factors = (*factors[:2], *(torch.cat([s, f[..., sinks:, :]], dim=-2) for s, f in ((cos_k, factors[2]),
+                                                                                             (sin_k, factors[3]))))
+        query_factors = (cos_q, sin_q)
+    if sink.bias is not None:
+        bias = torch.cat([sink.bias, bias[..., sinks:]], dim=-1)
+    if sink.distance is not None:
+        distance = torch.cat([sink.distance, distance[..., sinks:]], dim=-1)
+    return factors, bias, distance, query_factors
+
+
 def _dense_tile(
     config, position_method: PositionMethod, ctx: AttentionContext, queries: slice, keys: slice, dtype: torch.dtype,
     plain: bool,
@@ -232,6 +264,13 @@ def _dense_tile(
     q_rel = ctx.query_positions[:, queries] - anchor
     k_rel = torch.where(k_valid, k_positions, anchor) - anchor  # padding and empty slots: at 0
     factors, bias, distance = _terms(position_method, q_rel, k_rel)
+    sink_query_factors = None
+    if n_sinks and config.attention_sink_positions == "cache":
+        factors, bias, distance, sink_query_factors = _sink_frame_terms(
+            config, position_method, (factors, bias, distance), ctx.query_index[queries][None],
+            ctx.document_start[:, queries], ctx.query_positions[:, queries], sink_positions)
+        if sink_query_factors is not None:
+            sink_query_factors = tuple(f.unsqueeze(1) for f in sink_query_factors)
     if factors is not None:
         factors = tuple(f.unsqueeze(1) for f in factors)  # broadcast over heads
     allowed = None
@@ -241,7 +280,7 @@ def _dense_tile(
                                k_valid[:, None, :],
                         ctx.document_start[:, queries, None], n_sinks, allowed_4d).unsqueeze(1)
     return Tile(factors, additive_mask(allowed, bias, dtype), distance, query_slice=queries, key_slice=keys,
-                sink_columns=sink_columns)
+                sink_columns=sink_columns, sink_query_factors=sink_query_factors, n_sinks=n_sinks)
 
 
 def _chunked_tile(
@@ -269,6 +308,13 @@ def _chunked_tile(
         n_sinks = sink_index.shape[2]
     k_rel = torch.where(k_valid, k_positions, anchor) - anchor
     factors, bias, distance = _terms(position_method, q_pos - anchor, k_rel)
+    sink_query_factors = None
+    if n_sinks and config.attention_sink_positions == "cache":
+        factors, bias, distance, sink_query_factors = _sink_frame_terms(
+            config, position_method, (factors, bias, distance), ctx.query_index[query_slots][None], start, q_pos,
+            sink_positions)
+        if sink_query_factors is not None:
+            sink_query_factors = tuple(f.flatten(0, 1).unsqueeze(1) for f in sink_query_factors)
     if factors is not None:
         factors = tuple(f.flatten(0, 1).unsqueeze(1) for f in factors)  # (B*chunks, 1, len, d)
     if bias is not None:
@@ -278,7 +324,8 @@ def _chunked_tile(
     allowed = allowed_keys(config, ctx.query_index[query_slots][None, :, :, None], k_index[:, :, None, :],
                     k_valid[:, :, None, :], start[..., None], n_sinks)
     mask = additive_mask(allowed.flatten(0, 1).unsqueeze(1), bias, dtype)  # (B*chunks, 1 or H, b, span)
-    return Tile(factors, mask, distance, query_slots=query_slots, key_columns=key_columns)
+    return Tile(factors, mask, distance, query_slots=query_slots, key_columns=key_columns,
+                sink_query_factors=sink_query_factors, n_sinks=n_sinks)
 
 
 def _uniform_chunked_tile(

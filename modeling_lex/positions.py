@@ -55,6 +55,10 @@ class PositionMethod:
     def token_factors(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise TypeError(f"position_embedding_type={self.config.position_embedding_type!r} is not per token")
 
+    def shift_factors(self, shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) that move a per-token encoding by `shift` positions (no second attention factor)."""
+        raise TypeError(f"position_embedding_type={self.config.position_embedding_type!r} is not per token")
+
 
 class Sinusoidal(PositionMethod):
     """fairseq's absolute sinusoidal table added to the embeddings (by the model); nothing in attention."""
@@ -109,6 +113,9 @@ class Rope(Rotary):
     def token_factors(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) at each position id, (..., head_dim) float32."""
         return rotary_factors(positions, self.inverse_frequencies, None, self.scale)
+
+    def shift_factors(self, shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary_factors(shift, self.inverse_frequencies, None)
 
 
 class Decay(Rotary):

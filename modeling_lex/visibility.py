@@ -10,7 +10,9 @@ functions; neither writes a rule of its own.
   document's first token.
 - Attention sinks (`attention_sinks` = S, blockwise and sliding): the first S tokens of each document stay
   visible to every later query of that document (StreamingLLM). A query sees a sink *as a sink* only where its
-  window does not already show that key, so no key counts twice. Sinks are seen at their true distance.
+  window does not already show that key, so no key counts twice. Where it sees them from is the config's
+  `attention_sink_positions`: "true", at their own positions; "cache", StreamingLLM's positions within the cache
+  (`sink_frame`).
 - The chunk index map: the long forward cuts its queries into chunks of one block and pairs each chunk with the
   keys it can reach.
 """
@@ -47,6 +49,26 @@ def seen_as_sink(config, q_index: torch.Tensor, k_index: torch.Tensor, start: to
     return first & ~window_visible(config, q_index, k_index, start)
 
 
+def window_first(config, q_index: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """Stream index of the first key the query's window shows (shapes broadcast)."""
+    if config.attention_mode == "sliding":
+        first = q_index - config.attention_window + 1
+    elif config.attention_mode == "blockwise":
+        block = config.bca_block_length
+        first = start + (torch.div(q_index - start, block, rounding_mode="floor") - 1) * block
+    else:
+        first = start
+    return torch.maximum(first, start)
+
+
+def sink_frame(config, q_index: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sink position rule "cache" (StreamingLLM): in a frame where the query's window starts at 0, sink j sits
+    at j - S, just before it, and the query at its offset in its window. Returns the query's place (the shape of
+    q_index and start broadcast) and the sinks' places (S,): sink j is seen at distance offset + S - j."""
+    sinks = sink_count(config)
+    return q_index - window_first(config, q_index, start), torch.arange(-sinks, 0, device=q_index.device)
+
+
 def sink_indices(start: torch.Tensor, sinks: int) -> torch.Tensor:
     """Stream indices of the S sinks of documents starting at `start`: `start.shape + (S,)`."""
     return start[..., None] + torch.arange(sinks, device=start.device)
@@ -76,4 +98,7 @@ def chunk_map(total: int, n_keys: int, block: int, left: int, device: torch.devi
     return query_slots, key_slots.clamp(0, n_keys - 1), exists
 
 
-__all__ = ["chunk_map", "locate_in_window", "seen_as_sink", "sink_count", "sink_indices", "window_visible"]
+__all__ = [
+    "chunk_map", "locate_in_window", "seen_as_sink", "sink_count", "sink_frame", "sink_indices", "window_first",
+    "window_visible",
+]

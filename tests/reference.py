@@ -105,6 +105,20 @@ def visible(mode, window, n, pad, sinks=0):
     return allowed
 
 
+def sinks_in_the_cache(config, n, pad):
+    """attention_sink_positions="cache": [(query i, sink key j, the distance it is seen at)] for every sink a query
+    sees outside its window, placed as StreamingLLM places them: just before the query's window."""
+    mode, window, sinks = config.attention_mode, config.attention_window, config.attention_sinks
+    if mode == "full" or not sinks or getattr(config, "attention_sink_positions", "true") != "cache":
+        return []
+    b, pairs = window // 2, []
+    for i in range(pad, n):
+        first = max(pad, i - window + 1) if mode == "sliding" else max(pad, pad + ((i - pad) // b - 1) * b)
+        for j in range(pad, min(pad + sinks, first)):
+            pairs.append((i, j, sinks + (i - first) - (j - pad)))
+    return pairs
+
+
 def forward(state, config, input_ids, pad=0, positions=None, maps=None, layer_scores=None):
     """Logits (n, vocab) of one row; the first `pad` tokens are padding (masked as keys).
 
@@ -132,6 +146,7 @@ def forward(state, config, input_ids, pad=0, positions=None, maps=None, layer_sc
     if config.layernorm_embedding:
         x = ln(x, "model.layernorm_embedding")
     allowed = visible(config.attention_mode, config.attention_window, n, pad, config.attention_sinks)
+    placed_sinks = sinks_in_the_cache(config, n, pad)
     alpha = (2 * config.num_hidden_layers) ** 0.25 if config.deepnorm else 1.0
     for layer in range(config.num_hidden_layers):
         p = f"model.layers.{layer}."
@@ -142,6 +157,7 @@ def forward(state, config, input_ids, pad=0, positions=None, maps=None, layer_sc
         for head in range(h):
             sl, kv = slice(head * d, (head + 1) * d), slice((head // group) * d, (head // group + 1) * d)
             qh, kh, vh = q[:, sl], k[:, kv], v[:, kv]
+            kh_raw = kh
             kind = config.position_embedding_type
             if kind in ("xpos", "rope", "decay"):
                 options = dict(gamma=config.xpos_gamma, scale_base=config.xpos_scale_base, inv_freq=inv_freq,
@@ -150,6 +166,11 @@ def forward(state, config, input_ids, pad=0, positions=None, maps=None, layer_sc
                 kh = encode(kh, positions, kind, downscale=True, **options)
             scores = qh @ kh.T / math.sqrt(d)
             distance = (positions[:, None] - positions[None, :]).double()
+            for i, j, seen_at in placed_sinks:  # the sink key re-encoded at the query's position minus that distance
+                distance[i, j] = seen_at
+                if kind in ("xpos", "rope", "decay"):
+                    placed = encode(kh_raw[j : j + 1], positions[i : i + 1] - seen_at, kind, downscale=True, **options)
+                    scores[i, j] = qh[i] @ placed[0] / math.sqrt(d)
             if kind == "alibi":
                 scores = scores - alibi_slopes(h)[head] * distance
             if kind == "kerple":
@@ -201,3 +222,46 @@ def pre_softmax_scores(state, config, input_ids):
     out = []
     forward(state, config, input_ids, layer_scores=out)
     return out
+
+
+def llama_window_attention(model, mode: str, window: int, sinks: int, rule: str):
+    """An attention function for transformers' own Llama: the mode's window (no padding, one document from 0) plus
+    S sinks, placed by `rule`: "true", at their own positions; "cache", StreamingLLM's positions within the cache
+    (sink j just before the query's window, at distance S + (the query's offset in its window) - j), by undoing
+    the rotation HF applied and rotating the query anew against each sink key. Naive: n x n scores in float32.
+    Register it with `ALL_ATTENTION_FUNCTIONS.register(name, ...)` and `model.set_attn_implementation(name)`."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    rotary = model.model.rotary_emb
+
+    def rotate(x, positions):
+        cos, sin = rotary(x, positions)
+        return apply_rotary_pos_emb(x, x, cos, sin)[0]
+
+    def window_start(index):
+        if mode == "sliding":
+            return (index - window + 1).clamp(min=0)
+        block = window // 2
+        return ((index // block - 1) * block).clamp(min=0)
+
+    def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+        n = query.shape[2]
+        index = torch.arange(n, device=query.device)
+        q_index, k_index = index[:, None], index[None, :]
+        scores = query @ key.transpose(-1, -2) * scaling
+        in_window = (k_index <= q_index) & (k_index >= window_start(q_index))
+        as_sink = (k_index < sinks) & (k_index <= q_index) & ~in_window
+        if rule == "cache":
+            query_raw = rotate(query, -index[None])
+            sink_keys = rotate(key[:, :, :sinks], -index[None, :sinks])
+            offset = index - window_start(index)
+            for j in range(min(sinks, n)):
+                placed = rotate(query_raw, (sinks + offset - j)[None])
+                scores[..., j] = torch.where(as_sink[:, j], (placed * sink_keys[:, :, j : j + 1]).sum(-1) * scaling,
+                                             scores[..., j])
+        scores = scores.masked_fill(~(in_window | as_sink), float("-inf"))
+        return (scores.softmax(-1, dtype=torch.float32).to(value.dtype) @ value).transpose(1, 2).contiguous(), None
+
+    return attention

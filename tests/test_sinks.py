@@ -8,7 +8,12 @@ and the model's own no-cache forward for the cached paths (itself held to the re
 import pytest
 import torch
 
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
 import modeling_lex  # noqa: F401
+from configuration_lex import SINK_POSITIONS
+from convert.hf import lex_from_hf
 from modeling_lex import LexCache, LexStaticCache
 from tests import reference
 from tests.helpers import (
@@ -29,11 +34,12 @@ MODES = ["blockwise", "sliding", "full"]
 S = 4
 
 
-@pytest.mark.parametrize("sinks", [0, S])
-@pytest.mark.parametrize("kind", ["xpos", "rope", "alibi"])
+@pytest.mark.parametrize("sinks, rule", [(0, "true"), (S, "true"), (S, "cache")])
+@pytest.mark.parametrize("kind", ["xpos", "rope", "alibi", "kerple"])
 @pytest.mark.parametrize("mode", MODES)
-def test_left_padded_rows_equal_the_reference(mode, kind, sinks):
-    config = tiny_config(attention_mode=mode, position_embedding_type=kind, attention_sinks=sinks)
+def test_left_padded_rows_equal_the_reference(mode, kind, sinks, rule):
+    config = tiny_config(attention_mode=mode, position_embedding_type=kind, attention_sinks=sinks,
+                         attention_sink_positions=rule)
     model = perturbed_model(config)
     ids = torch.randint(0, 97, (3, 5 * W + 3), generator=torch.Generator().manual_seed(1))
     pads = [0, 5, 13]
@@ -42,10 +48,12 @@ def test_left_padded_rows_equal_the_reference(mode, kind, sinks):
     assert_rows_equal_reference(model, ids, logits, pads)
 
 
+@pytest.mark.parametrize("rule", SINK_POSITIONS)
 @pytest.mark.parametrize("kind", ["xpos", "rope", "alibi"])
 @pytest.mark.parametrize("mode", ["blockwise", "sliding"])
-def test_packed_documents_each_keep_their_own_sinks(mode, kind):
-    config = tiny_config(attention_mode=mode, position_embedding_type=kind, attention_sinks=S)
+def test_packed_documents_each_keep_their_own_sinks(mode, kind, rule):
+    config = tiny_config(attention_mode=mode, position_embedding_type=kind, attention_sinks=S,
+                         attention_sink_positions=rule)
     model = perturbed_model(config)
     docs, ids, positions = packed([3 * W + 5, 7, 2 * W + 1, 40])
     with torch.no_grad():
@@ -68,11 +76,14 @@ def test_sinks_change_what_a_window_computes_and_nothing_in_full_mode():
         assert (a - b).abs().max() > 1e-3 if changes else torch.equal(a, b), mode
 
 
+@pytest.mark.parametrize("kind", ["xpos", "rope", "alibi", "kerple"])
+@pytest.mark.parametrize("rule", SINK_POSITIONS)
 @pytest.mark.parametrize("mode", ["blockwise", "sliding"])
-def test_cached_reading_equals_one_forward_and_holds_at_most_s_plus_w_minus_1(mode):
+def test_cached_reading_equals_one_forward_and_holds_at_most_s_plus_w_minus_1(mode, rule, kind):
     """Prefill of a left-padded batch, then one token at a time: every step's logits are the no-cache forward's,
     and no layer ever holds more than S + w - 1 keys."""
-    model = perturbed_model(tiny_config(attention_mode=mode, attention_sinks=S))
+    model = perturbed_model(tiny_config(attention_mode=mode, attention_sinks=S, attention_sink_positions=rule,
+                                        position_embedding_type=kind))
     _, ids, mask = left_padded([3 * W + 5, W + 2])
     prefix = 2 * W + 1
     cache = LexCache(model.config)
@@ -88,11 +99,12 @@ def test_cached_reading_equals_one_forward_and_holds_at_most_s_plus_w_minus_1(mo
     assert max(held) <= S + W - 1 and cache.layers[0].keys.shape[2] == S + cache.held
 
 
+@pytest.mark.parametrize("rule", SINK_POSITIONS)
 @pytest.mark.parametrize("mode", ["blockwise", "sliding"])
-def test_generate_equals_repeated_full_forwards(mode):
+def test_generate_equals_repeated_full_forwards(mode, rule):
     """Greedy generate() with the bounded cache picks the argmax of a no-cache forward over the whole sequence at
     every step, with logits to match, far past the window."""
-    model = perturbed_model(tiny_config(attention_mode=mode, attention_sinks=S))
+    model = perturbed_model(tiny_config(attention_mode=mode, attention_sinks=S, attention_sink_positions=rule))
     ids = prompt(1, 2 * W + 3)
     out = greedy(model, ids, max_new_tokens=4 * W)
     sequence = ids
@@ -104,10 +116,11 @@ def test_generate_equals_repeated_full_forwards(mode):
     assert torch.equal(out.sequences, sequence)
 
 
+@pytest.mark.parametrize("rule", SINK_POSITIONS)
 @pytest.mark.parametrize("mode", ["blockwise", "sliding", "full"])
-def test_static_cache_slots_and_tokens(mode):
+def test_static_cache_slots_and_tokens(mode, rule):
     """min(w - 1 + S, max_cache_len) slots (full mode: max_cache_len); the tokens of the default cache."""
-    model = perturbed_model(tiny_config(attention_mode=mode, attention_sinks=S))
+    model = perturbed_model(tiny_config(attention_mode=mode, attention_sinks=S, attention_sink_positions=rule))
     for short in (10, W + 1):  # a stream that never outgrows the slots: no sink slots needed
         assert LexStaticCache(model.config, max_cache_len=short).layers[0].get_max_length() == short
     long = LexStaticCache(model.config, max_cache_len=200).layers[0].get_max_length()
@@ -128,9 +141,10 @@ def test_static_cache_slots_and_tokens(mode):
     assert torch.equal(again.sequences, short.sequences)
 
 
-def test_assisted_and_prompt_lookup_decoding_with_sinks_equal_greedy():
+@pytest.mark.parametrize("rule", SINK_POSITIONS)
+def test_assisted_and_prompt_lookup_decoding_with_sinks_equal_greedy(rule):
     """Rollback with sink slots: a smaller assistant and prompt lookup give greedy's tokens and logits."""
-    model = perturbed_model(tiny_config(attention_mode="sliding", attention_sinks=S))
+    model = perturbed_model(tiny_config(attention_mode="sliding", attention_sinks=S, attention_sink_positions=rule))
     assistant = perturbed_model(tiny_config(attention_mode="blockwise", attention_window=8, attention_sinks=2,
                                             num_hidden_layers=1), seed=3)
     assistant.generation_config.num_assistant_tokens = 4
@@ -167,3 +181,56 @@ def test_generation_maps_cover_the_sink_slots():
             assert layer_map.shape == (1, 2, 1, S + W)
             torch.testing.assert_close(layer_map.sum(-1), torch.ones(1, 2, 1))
             assert (layer_map[..., :S] > 0).all()
+
+
+# ---------------------------------------------------------------- where sinks are seen from
+
+
+def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4 * W,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.15)  # attention far from uniform, so sinks matter
+    return model
+
+
+@pytest.mark.parametrize("rule", SINK_POSITIONS)
+@pytest.mark.parametrize("mode", ["blockwise", "sliding"])
+def test_a_converted_llama_equals_transformers_llama_with_its_sinks_placed_by_the_rule(mode, rule):
+    """The independent reference: transformers' own Llama under a naive attention that keeps the window and
+    scores the sink keys re-rotated to their positions within the cache (or at their true ones). Read in one
+    forward, cached one token at a time, and by generate(), past several windows."""
+    llama = tiny_llama()
+    lex = lex_from_hf(llama, mode, W, S).eval()
+    assert lex.config.attention_sink_positions == "cache"  # what a converted checkpoint gets
+    lex.config.attention_sink_positions = rule
+    name = f"lex-test-{mode}-{rule}"
+    ALL_ATTENTION_FUNCTIONS.register(name, reference.llama_window_attention(llama, mode, W, S, rule))
+    llama.set_attn_implementation(name)
+    ids = prompt(1, 5 * W + 3)
+    with torch.no_grad():
+        expected = llama(ids).logits
+        torch.testing.assert_close(lex(ids).logits, expected, atol=1e-4, rtol=1e-4)
+        cache, steps = LexCache(lex.config), []
+        for t in range(ids.shape[1]):
+            steps.append(lex(ids[:, t : t + 1], past_key_values=cache).logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), expected, atol=1e-4, rtol=1e-4)
+    out = greedy(lex, ids[:, : 2 * W + 1], max_new_tokens=2 * W)
+    with torch.no_grad():
+        whole = llama(out.sequences).logits[0, 2 * W : -1]
+    torch.testing.assert_close(torch.stack(out.logits, dim=1)[0], whole, atol=1e-4, rtol=1e-4)
+
+
+def test_the_two_rules_differ_only_once_a_sink_leaves_the_window():
+    llama = tiny_llama(seed=1)
+    true, cache = (lex_from_hf(llama, "sliding", W, S).eval() for _ in range(2))
+    true.config.attention_sink_positions = "true"
+    ids = prompt(1, 3 * W)
+    with torch.no_grad():
+        a, b = true(ids).logits, cache(ids).logits
+    torch.testing.assert_close(a[:, :W], b[:, :W])
+    assert (a[:, W + 1 :] - b[:, W + 1 :]).abs().amax(-1).min() > 1e-4  # every query past the window differs
