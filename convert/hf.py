@@ -160,8 +160,7 @@ def lex_config_from_hf(
     By default the LEX model computes what the source does (full attention, or the source's sliding window);
     `attention_mode` "blockwise" or "sliding" with `attention_window` (default: the source's sliding window, else
     its max_position_embeddings) reads past the training length, with `attention_sinks` first tokens of each
-    document kept in view, at their positions within the cache (attention_sink_positions="cache"): a model
-    pretrained with full attention then never sees a distance it was not trained on.
+    document kept in view.
     """
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SOURCE_TYPES:
@@ -186,7 +185,6 @@ def lex_config_from_hf(
         position_embedding_type="rope", rope_parameters=rope,
         attention_mode=attention_mode or ("sliding" if window else "full"),
         attention_window=attention_window or window or length + length % 2, attention_sinks=attention_sinks,
-        attention_sink_positions="cache",
         norm_type="rmsnorm", rms_norm_eps=hf_config.rms_norm_eps, mlp_type="gated", **source_biases(hf_config),
         normalize_before=True, subln=False, deepnorm=False, layernorm_embedding=False, embedding_scale=1.0,
         attention_dropout=hf_config.attention_dropout, initializer_range=hf_config.initializer_range,
