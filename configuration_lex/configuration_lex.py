@@ -78,7 +78,8 @@ class LexConfig(PreTrainedConfig):
             a sink's distance grows with the document (a model trained with sinks at true distance); "cache":
             StreamingLLM's positions within the cache, the S sinks just before the query's window (sink j at
             distance S - j + the query's offset in its window), never further than S + w, so a model pretrained
-            with full attention never sees a distance beyond S + w.
+            with full attention never sees a distance beyond S + w (what a converted Llama, Mistral or Qwen2
+            checkpoint gets).
         xpos_scale_base: B in zeta^(n/B). xpos_gamma: gamma in zeta_i = (2i + gamma d) / ((1 + gamma) d).
         rope_parameters: the rotation frequencies of "xpos", "rope" and "decay" (transformers v5's field):
             `rope_theta` (default 10000; a `rope_theta=` keyword, as older configs saved it, lands here) and

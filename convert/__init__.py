@@ -1,1 +1,2 @@
-"""Checkpoint converters: TorchScale / fairseq-TorchScale <-> LEX Hugging Face folders."""
+"""Checkpoint converters, both ways: TorchScale and fairseq-TorchScale checkpoints <-> LEX folders (torchscale),
+Llama, Mistral and Qwen2 folders or .gguf files <-> LEX folders and models (hf)."""

@@ -1,13 +1,17 @@
-"""Reading checkpoints without running their pickles, and fairseq's omegaconf references."""
+"""What the converters share: their error (ConversionError), the refusal of a LexConfig field no target computes,
+the check of a checkpoint's tensors against a model's; reading checkpoints without running their pickles, and
+fairseq's omegaconf references."""
 
 import pickle
 import re
 from argparse import Namespace
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
-from .errors import LexError
+from lex_base.errors import LexError
 
 
 def safe_globals() -> list:
@@ -32,6 +36,31 @@ def safe_globals() -> list:
 
 class ConversionError(LexError):
     """A checkpoint or folder that cannot be converted; the message names the key, option or path at fault."""
+
+
+def refuse_field(config, field: str, why: str) -> NoReturn:
+    """A LexConfig field the target architecture cannot compute: its name, its value and why."""
+    raise ConversionError(f"LexConfig.{field}={getattr(config, field)!r}: {why}")
+
+
+def check_tensors(shapes: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], heading: str,
+                  source_name: Callable[[str], str] = str, unexpected: Iterable[str] = (), noun: str = "tensors",
+                  needs: str = "the config needs", limit: int | None = None) -> None:
+    """Every tensor of `expected` once, nothing else, every shape right; else one ConversionError
+    `heading: missing ...; unexpected ...; shape mismatches: ...`.
+
+    `shapes` and `expected` map the target's tensor names to shapes; the message names each tensor as the source
+    does (`source_name` of a target name), plus `unexpected`: the source's names that have no target name at all.
+    Each list shows at most `limit` names (None: all)."""
+    missing = [source_name(name) for name in expected if name not in shapes]
+    unexpected = [*unexpected, *(source_name(name) for name in shapes if name not in expected)]
+    mismatched = [f"{source_name(name)} is {shape}, {needs} {expected[name]}" for name, shape in shapes.items()
+                  if name in expected and tuple(shape) != tuple(expected[name])]
+    problems = [f"{what}: {', '.join(items[:limit])}{' ...' if limit and len(items) > limit else ''}"
+                for what, items in ((f"missing {noun}", missing), (f"unexpected {noun}", unexpected),
+                                    ("shape mismatches", mismatched)) if items]
+    if problems:
+        raise ConversionError(f"{heading}: " + "; ".join(problems))
 
 
 def load_checkpoint(path: Path) -> object:

@@ -3,6 +3,9 @@
     lex convert-hf SRC OUT [--attention_mode M] [--attention_window W] [--attention_sinks S] [--dtype D] [--force]
     lex convert-to-hf SRC OUT [--force]
 
+SRC is a model folder (safetensors) or a Llama, Mistral or Qwen2 `.gguf` file (or a folder holding exactly one),
+read by transformers' own GGUF loader (dequantized, with its tokenizer; needs the `gguf` package).
+
 A LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM becomes a LexForCausalLM with RoPE positions, RMSNorm,
 a gated MLP, grouped-query attention and the source's biases. By default it computes exactly what the source
 does: full attention, or Mistral's `sliding_window` as LEX `sliding` with w = that window (a query at p sees
@@ -14,13 +17,14 @@ interleaved pairs (dims 2i and 2i+1), so the rows of q_proj and k_proj (and thei
 same, since both are permuted alike.
 
 Folders are converted tensor by tensor from safetensors (never a pickle), one output shard at a time, so at most
-one shard of weights is in memory; the output folder appears only when complete (convert.staging). What no
+one shard of weights is in memory; the output folder appears only when complete (lex_base.staging). What no
 target computes is refused, naming the field and why, before anything is written.
 """
 
 import json
 import shutil
 from collections.abc import Callable
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -31,20 +35,22 @@ from safetensors.torch import save_file
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoTokenizer,
     LlamaConfig,
     MistralConfig,
     PreTrainedConfig,
     PreTrainedModel,
     Qwen2Config,
 )
+from transformers.utils import is_gguf_available
 from transformers.utils.hub import convert_file_size_to_int
 
-from configuration_lex import ATTENTION_MODES, ROPE_TYPES, LexConfig
+from configuration_lex import ATTENTION_MODES, LexConfig
+from lex_base.staging import atomic_directory
 from modeling_lex import LexForCausalLM
 from modeling_lex.positions import POSITION_METHODS
 
-from .checkpoint import ConversionError
-from .staging import atomic_directory
+from .checkpoint import ConversionError, check_tensors, refuse_field
 
 SOURCE_TYPES = ("llama", "mistral", "qwen2")
 # Well-known decoders that are not Llama-family RoPE models, and what about them no LEX model computes.
@@ -129,17 +135,10 @@ def source_window(hf_config) -> int | None:
 
 
 def source_rope(hf_config) -> dict:
+    """The source's one rope; which rope types a LexConfig computes is LexConfig's rule (validate_rope_type)."""
     rope = dict(hf_config.rope_parameters or {})
     if any(isinstance(value, dict) for value in rope.values()):
         raise ConversionError(f"rope_parameters per layer type ({', '.join(rope)}): a LexConfig has one rope")
-    rope_type = rope.get("rope_type", "default")
-    if rope_type not in ROPE_TYPES:
-        why = ("its frequencies depend on the current length, which a model that re-encodes positions in every "
-               "window cannot reproduce; " if rope_type in ("dynamic", "longrope") else "")
-        raise ConversionError(f"rope_parameters['rope_type']={rope_type!r}: {why}convertible: {', '.join(ROPE_TYPES)}")
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ConversionError(f"rope_parameters['partial_rotary_factor']={rope['partial_rotary_factor']}: LEX rotates "
-                              "every dimension of a head (convertible: 1.0)")
     return rope
 
 
@@ -160,7 +159,8 @@ def lex_config_from_hf(
     By default the LEX model computes what the source does (full attention, or the source's sliding window);
     `attention_mode` "blockwise" or "sliding" with `attention_window` (default: the source's sliding window, else
     its max_position_embeddings) reads past the training length, with `attention_sinks` first tokens of each
-    document kept in view.
+    document kept in view, at their positions within the cache (attention_sink_positions="cache"): a model
+    pretrained with full attention then never sees a sink further than it was trained on.
     """
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SOURCE_TYPES:
@@ -185,6 +185,7 @@ def lex_config_from_hf(
         position_embedding_type="rope", rope_parameters=rope,
         attention_mode=attention_mode or ("sliding" if window else "full"),
         attention_window=attention_window or window or length + length % 2, attention_sinks=attention_sinks,
+        attention_sink_positions="cache",
         norm_type="rmsnorm", rms_norm_eps=hf_config.rms_norm_eps, mlp_type="gated", **source_biases(hf_config),
         normalize_before=True, subln=False, deepnorm=False, layernorm_embedding=False, embedding_scale=1.0,
         attention_dropout=hf_config.attention_dropout, initializer_range=hf_config.initializer_range,
@@ -207,35 +208,32 @@ def lex_config_from_hf(
 def hf_config_from_lex(config: LexConfig) -> PreTrainedConfig:
     """The Llama (full attention), Mistral (sliding) or Qwen2 (q/k/v biases only) config computing what `config`
     does, or a ConversionError naming the first field no HF architecture computes."""
-
-    def refuse(field: str, why: str):
-        raise ConversionError(f"LexConfig.{field}={getattr(config, field)!r}: {why}")
-
     if not POSITION_METHODS[config.position_embedding_type].llama:
-        refuse("position_embedding_type", "no HF architecture computes it (Llama, Mistral and Qwen2 rotate with "
-                                          "RoPE: 'rope')")
+        refuse_field(config, "position_embedding_type",
+                     "no HF architecture computes it (Llama, Mistral and Qwen2 rotate with RoPE: 'rope')")
     if config.absolute_position_embedding is not None:
-        refuse("absolute_position_embedding", "no HF Llama-family architecture adds absolute positions (allowed: None)")
+        refuse_field(config, "absolute_position_embedding",
+                     "no HF Llama-family architecture adds absolute positions (allowed: None)")
     if config.attention_sinks and config.attention_mode != "full":
-        refuse("attention_sinks", "no HF architecture keeps attention sinks in its window (allowed: 0)")
+        refuse_field(config, "attention_sinks", "no HF architecture keeps attention sinks in its window (allowed: 0)")
     if config.attention_mode == "blockwise":
-        refuse("attention_mode", "no HF architecture computes blockwise causal attention (allowed: 'full' -> Llama "
-                                 "or Qwen2, 'sliding' -> Mistral or Qwen2)")
+        refuse_field(config, "attention_mode", "no HF architecture computes blockwise causal attention (allowed: "
+                                               "'full' -> Llama or Qwen2, 'sliding' -> Mistral or Qwen2)")
     required = {"normalize_before": True, "subln": False, "deepnorm": False, "layernorm_embedding": False,
                 "norm_type": "rmsnorm", "mlp_type": "gated", "embedding_scale": 1.0}
     for field, value in required.items():
         if getattr(config, field) != value:
-            refuse(field, f"no HF Llama-family architecture computes it (allowed: {value!r})")
+            refuse_field(config, field, f"no HF Llama-family architecture computes it (allowed: {value!r})")
     qkv_only = config.attention_bias and not config.attention_output_bias
     if config.attention_output_bias and not config.attention_bias:
-        refuse("attention_output_bias", "no HF architecture has a bias on o_proj without biases on q/k/v (Llama: "
-                                        "all four, Qwen2: q/k/v only)")
+        refuse_field(config, "attention_output_bias", "no HF architecture has a bias on o_proj without biases on "
+                                                      "q/k/v (Llama: all four, Qwen2: q/k/v only)")
     sliding = config.attention_mode == "sliding"
     if sliding and config.attention_output_bias:
-        refuse("attention_output_bias", "with attention_mode='sliding' no HF architecture has it (Mistral has no "
-                                        "biases, Qwen2 none on o_proj)")
+        refuse_field(config, "attention_output_bias", "with attention_mode='sliding' no HF architecture has it "
+                                                      "(Mistral has no biases, Qwen2 none on o_proj)")
     if config.mlp_bias and (sliding or qkv_only):
-        refuse("mlp_bias", "only Llama has MLP biases, with full attention and biases on q/k/v/o or none")
+        refuse_field(config, "mlp_bias", "only Llama has MLP biases, with full attention and biases on q/k/v/o or none")
     common = dict(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
         num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
@@ -289,19 +287,12 @@ def plan_names(shapes: dict[str, tuple[int, ...]], target_config, to_lex: bool) 
     return renamed
 
 
-def check_names(renamed: dict[str, tuple[str, tuple[int, ...]]], expected: dict[str, tuple[int, ...]],
-                source: str) -> None:
+def check_plan(renamed: dict[str, tuple[str, tuple[int, ...]]], expected: dict[str, tuple[int, ...]],
+               source: str) -> None:
     """`renamed` maps each source name to (target name, shape); every expected tensor once, nothing else."""
-    targets = {target: (name, shape) for name, (target, shape) in renamed.items()}
-    missing = [name for name in expected if name not in targets]
-    unexpected = [name for name, (target, _) in renamed.items() if target not in expected]
-    shapes = [f"{name} is {shape}, the config needs {expected[target]}" for name, (target, shape) in renamed.items()
-              if target in expected and shape != expected[target]]
-    problems = [f"{what}: {', '.join(items[:8])}{' ...' if len(items) > 8 else ''}" for what, items in
-                (("missing tensors", missing), ("unexpected tensors", unexpected), ("shape mismatches", shapes))
-                if items]
-    if problems:
-        raise ConversionError(f"{source}: the weights do not match the config: " + "; ".join(problems))
+    source_names = {target: name for name, (target, _) in renamed.items()}
+    check_tensors(dict(renamed.values()), expected, f"{source}: the weights do not match the config",
+                  lambda target: source_names.get(target, target), limit=8)
 
 
 def lex_from_hf(
@@ -317,7 +308,7 @@ def lex_from_hf(
     config.dtype = model.dtype
     source = model.state_dict()
     renamed = plan_names({name: tuple(tensor.shape) for name, tensor in source.items()}, config, to_lex=True)
-    check_names(renamed, expected_shapes(LexForCausalLM, config), type(model).__name__)
+    check_plan(renamed, expected_shapes(LexForCausalLM, config), type(model).__name__)
     state = dict(convert_tensor(name, source[name].detach(), config, to_lex=True) for name in renamed)
     with init_empty_weights():
         lex = LexForCausalLM(config)
@@ -325,6 +316,103 @@ def lex_from_hf(
     if config.tie_word_embeddings:
         lex.lm_head.weight = lex.model.embed_tokens.weight
     return lex.train(model.training)
+
+
+def dtype_named(dtype: str | None) -> torch.dtype | None:
+    """The torch dtype of a --dtype value (None: keep the source's)."""
+    if dtype is not None and not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise ConversionError(f"dtype={dtype!r} is not a torch dtype")
+    return getattr(torch, dtype) if dtype else None
+
+
+# ---------------------------------------------------------------- .gguf files (transformers' GGUF loader)
+
+
+def gguf_file(path: str | Path) -> Path | None:
+    """The .gguf file `path` names: the file itself, or the one .gguf file of a folder without config.json; None
+    for anything else (a model folder, a Hub id, a folder with no .gguf file). A folder holding several .gguf
+    files is refused, naming them."""
+    path = Path(path)
+    if path.is_file():
+        return path if path.suffix == ".gguf" else None
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    files = sorted(path.glob("*.gguf"))
+    if len(files) > 1:
+        raise ConversionError(f"{path}: a folder with {len(files)} .gguf files ({', '.join(f.name for f in files)}); "
+                              "name the one to read")
+    return files[0] if files else None
+
+
+def check_gguf(path: Path) -> None:
+    """The gguf package is there and `path` is a GGUF file of a Llama, Mistral or Qwen2 model (its header only)."""
+    if not is_gguf_available():
+        raise ConversionError(f"{path}: reading a .gguf file needs the gguf package (>= 0.10): pip install gguf, or "
+                              "pip install 'lex-transformer[gguf]'")
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(path).fields["general.architecture"]
+        architecture = bytes(field.parts[field.data[0]]).decode()
+    except (ValueError, KeyError, IndexError, OSError, UnicodeDecodeError) as error:
+        why = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConversionError(f"{path}: not a readable GGUF file ({why})") from None
+    if architecture not in SOURCE_TYPES:
+        raise ConversionError(f"{path}: a GGUF file of architecture {architecture!r}, not a Llama, Mistral or Qwen2 "
+                              f"model; convertible: {', '.join(SOURCE_TYPES)}")
+
+
+@lru_cache(maxsize=4)
+def read_gguf_config(path: Path, stamp: tuple[int, int]) -> PreTrainedConfig:
+    check_gguf(path)
+    try:
+        return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    except (OSError, ValueError, KeyError, StrictDataclassError) as error:
+        raise ConversionError(f"{path}: cannot read its config: {str(error).strip().splitlines()[0]}") from None
+
+
+def gguf_config(path: Path) -> PreTrainedConfig:
+    """The config of a Llama, Mistral or Qwen2 .gguf file, without its weights (read once per file version)."""
+    stat = Path(path).stat()
+    return read_gguf_config(Path(path).absolute(), (stat.st_mtime_ns, stat.st_size))
+
+
+def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """A Llama, Mistral or Qwen2 .gguf file as the transformers model it holds, dequantized to `dtype`, as a plain
+    model: the loader's quantization_config (gguf) and quantizer are dropped, so that it saves as any model."""
+    check_gguf(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    except (OSError, ValueError, KeyError, StrictDataclassError) as error:
+        raise ConversionError(f"{path}: cannot load a model from it: {str(error).strip().splitlines()[0]}") from None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    return model
+
+
+def gguf_tokenizer(path: Path):
+    """The tokenizer a .gguf file carries."""
+    check_gguf(path)
+    try:
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except (OSError, ValueError, KeyError) as error:
+        raise ConversionError(f"{path}: cannot load its tokenizer: {str(error).strip().splitlines()[0]}") from None
+
+
+def convert_gguf(path: Path, out_dir: Path, attention_mode: str | None, attention_window: int | None,
+                 attention_sinks: int, dtype: str | None, force: bool, max_shard_size: int | str) -> LexConfig:
+    """A .gguf file -> a LEX folder with its tokenizer: dequantized in memory, converted (`lex_from_hf`), saved."""
+    torch_dtype = dtype_named(dtype)
+    check_gguf(path)
+    with atomic_directory(out_dir, force) as staging:
+        lex = lex_from_hf(load_gguf(path), attention_mode, attention_window, attention_sinks)
+        if torch_dtype is not None:
+            lex = lex.to(torch_dtype)
+            lex.config.dtype = torch_dtype
+        lex.save_pretrained(staging, max_shard_size=max_shard_size)
+        gguf_tokenizer(path).save_pretrained(staging)
+    return lex.config
 
 
 # ---------------------------------------------------------------- folders
@@ -399,14 +487,10 @@ def convert_folder(src_dir: Path, out_dir: Path, lex_config: LexConfig, target_c
                    dtype: str | None, force: bool, max_shard_size: int | str) -> None:
     """Check every name and shape from the headers, then stream the weights into a staged OUT; carry the tokenizer
     and generation_config over. Nothing is written before every check has passed."""
-    if dtype is not None and not isinstance(getattr(torch, dtype, None), torch.dtype):
-        raise ConversionError(f"dtype={dtype!r} is not a torch dtype")
-    torch_dtype = getattr(torch, dtype) if dtype else None
+    torch_dtype = dtype_named(dtype)
     names = read_names(weight_files(src_dir))
     renamed = plan_names({name: shape for name, (_, shape, _) in names.items()}, target_config, to_lex)
-    check_names(renamed, expected_shapes(build, target_config), str(src_dir))
-    if Path(out_dir).exists() and not force:
-        raise ConversionError(f"{out_dir} exists; pass --force to replace it")
+    check_plan(renamed, expected_shapes(build, target_config), str(src_dir))
     if torch_dtype is not None:
         target_config.dtype = torch_dtype
     with atomic_directory(out_dir, force) as staging:
@@ -432,12 +516,18 @@ def convert_hf(
     dtype: str | None = None, force: bool = False, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     attention_sinks: int = 0,
 ) -> LexConfig:
-    """A Llama, Mistral or Qwen2 folder (safetensors) -> a LEX folder; returns its LexConfig.
+    """A Llama, Mistral or Qwen2 folder (safetensors) or .gguf file -> a LEX folder; returns its LexConfig.
 
     At most one output shard (`max_shard_size`) of weights is held in memory. An existing OUT is refused unless
     `force`, and replaced only once the new folder is complete.
     """
     src_dir = Path(src_dir)
+    gguf = gguf_file(src_dir)
+    if gguf is not None:
+        return convert_gguf(gguf, Path(out_dir), attention_mode, attention_window, attention_sinks, dtype, force,
+                            max_shard_size)
+    if src_dir.is_dir() and not (src_dir / "config.json").is_file():
+        raise ConversionError(f"{src_dir}: not a model folder (it has no config.json) and holds no .gguf file")
     config = lex_config_from_hf(load_config(src_dir), attention_mode, attention_window, attention_sinks)
     convert_folder(src_dir, Path(out_dir), config, config, LexForCausalLM, True, dtype, force, max_shard_size)
     return config

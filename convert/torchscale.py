@@ -30,11 +30,18 @@ from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from configuration_lex import LexConfig
+from lex_base.staging import atomic_directory, atomic_files
 from modeling_lex import LexForCausalLM
 from modeling_lex.positions import POSITION_METHODS
 
-from .checkpoint import ConversionError, Unresolved, load_checkpoint, resolve_interpolations
-from .staging import atomic_directory, atomic_files
+from .checkpoint import (
+    ConversionError,
+    Unresolved,
+    check_tensors,
+    load_checkpoint,
+    refuse_field,
+    resolve_interpolations,
+)
 
 # TorchScale 0.3.0 `DecoderConfig` fields and defaults (torchscale/architecture/config.py).
 DECODER_DEFAULTS = {
@@ -311,20 +318,14 @@ def to_lex_state(source: Source, config) -> tuple[dict, list[str]]:
 
 def check_state(model, mapped: dict, unexpected: list[str], source: Source) -> None:
     """Every key the model needs, nothing else, every shape right; the report uses the checkpoint's names."""
-    def source_name(lex_key: str) -> str:
-        return source.prefix + (rename(lex_key, TO_TORCHSCALE) or lex_key)
-
     expected = model.state_dict()
     if model.config.tie_word_embeddings:
         expected.pop("lm_head.weight")
-    missing = [source_name(k) for k in expected if k not in mapped]
-    unexpected = unexpected + [source_name(k) for k in mapped if k not in expected]
-    shapes = [f"{source_name(k)} is {tuple(v.shape)}, the options need {tuple(expected[k].shape)}"
-              for k, v in mapped.items() if k in expected and v.shape != expected[k].shape]
-    problems = [f"{what}: {', '.join(items)}" for what, items in
-                (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatches", shapes)) if items]
-    if problems:
-        raise ConversionError(f"the {source.kind} does not match its options: " + "; ".join(problems))
+    check_tensors({key: tuple(tensor.shape) for key, tensor in mapped.items()},
+                  {key: tuple(tensor.shape) for key, tensor in expected.items()},
+                  f"the {source.kind} does not match its options",
+                  lambda lex_key: source.prefix + (rename(lex_key, TO_TORCHSCALE) or lex_key), unexpected,
+                  noun="keys", needs="the options need")
 
 
 def load_tokenizer(folder: Path | None):
@@ -379,30 +380,28 @@ def convert_from_torchscale(
 
 def torchscale_options(config) -> dict:
     """The DecoderConfig arguments (TorchScale names) of a LexConfig, or a ConversionError naming the field."""
-    def refuse(field_: str, why: str):
-        raise ConversionError(f"LexConfig.{field_}={getattr(config, field_)!r}: {why}")
-
     if not POSITION_METHODS[config.position_embedding_type].torchscale:
-        refuse("position_embedding_type", "TorchScale computes xPos, no relative positions, or fairseq's sinusoidal "
-                                          "table, nothing else")
+        refuse_field(config, "position_embedding_type", "TorchScale computes xPos, no relative positions, or "
+                                                        "fairseq's sinusoidal table, nothing else")
     if config.position_embedding_type == "xpos" and config.xpos_gamma != XPOS_GAMMA:
-        refuse("xpos_gamma", f"TorchScale's xPos fixes gamma at {XPOS_GAMMA}")
+        refuse_field(config, "xpos_gamma", f"TorchScale's xPos fixes gamma at {XPOS_GAMMA}")
     if config.position_embedding_type == "xpos" and config.rope_parameters != TORCHSCALE_ROPE:
-        refuse("rope_parameters", f"TorchScale's xPos rotates with {TORCHSCALE_ROPE}")
+        refuse_field(config, "rope_parameters", f"TorchScale's xPos rotates with {TORCHSCALE_ROPE}")
     for field_ in ("attention_bias", "attention_output_bias", "mlp_bias"):
         if not getattr(config, field_):
-            refuse(field_, "TorchScale's projections all have biases")
+            refuse_field(config, field_, "TorchScale's projections all have biases")
     backbone = {"norm_type": "layernorm", "mlp_type": "fc", "num_key_value_heads": config.num_attention_heads,
                 "head_dim": config.hidden_size // config.num_attention_heads}
     for field_, value in backbone.items():
         if getattr(config, field_) != value:
-            refuse(field_, f"TorchScale's Decoder has only {field_}={value!r}")
+            refuse_field(config, field_, f"TorchScale's Decoder has only {field_}={value!r}")
     scaled = math.isclose(config.embedding_scale, math.sqrt(config.hidden_size), rel_tol=1e-12)
     if config.embedding_scale != 1.0 and not scaled:
-        refuse("embedding_scale", f"TorchScale scales embeddings by 1 or sqrt(hidden_size) = "
-                                  f"{math.sqrt(config.hidden_size)}")
+        refuse_field(config, "embedding_scale", f"TorchScale scales embeddings by 1 or sqrt(hidden_size) = "
+                                                f"{math.sqrt(config.hidden_size)}")
     if config.absolute_position_embedding and config.absolute_position_offset != FAIRSEQ_PADDING_IDX + 1:
-        refuse("absolute_position_offset", f"fairseq's positions start at padding_idx + 1 = {FAIRSEQ_PADDING_IDX + 1}")
+        refuse_field(config, "absolute_position_offset",
+                     f"fairseq's positions start at padding_idx + 1 = {FAIRSEQ_PADDING_IDX + 1}")
     options = {
         "decoder_embed_dim": config.hidden_size, "decoder_attention_heads": config.num_attention_heads,
         "decoder_ffn_embed_dim": config.intermediate_size, "decoder_layers": config.num_hidden_layers,

@@ -13,8 +13,8 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from convert.errors import LexError
 from lex.commands import UsageError
+from lex_base.errors import LexError
 
 COMMANDS = {
     "demo": ("lex.commands.demo", "main", "train xpos/rope/alibi at a short length and compare them far beyond it"),
@@ -32,7 +32,7 @@ TERMINATED = 128 + signal.SIGTERM  # the status a shell reports for a process en
 
 class Terminated(BaseException):
     """Raised in the main thread on SIGTERM: like KeyboardInterrupt, it unwinds every `finally` (the staging
-    folders of convert.staging) and is not caught by `except Exception`."""
+    folders of lex_base.staging) and is not caught by `except Exception`."""
 
 
 def usage() -> str:

@@ -16,7 +16,7 @@ from datasets import Dataset, DatasetDict, concatenate_datasets, load_dataset, l
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from convert.errors import LexError
+from lex_base.errors import LexError
 
 END_OF_TEXT = "<|endoftext|>"
 # How documents become training blocks (`pack`, `lex train --packing`): the one source of the choices.

@@ -24,8 +24,8 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedModel
 from transformers.utils.hub import convert_file_size_to_int
 
-from convert.errors import LexError
-from convert.staging import atomic_directory
+from lex_base.errors import LexError
+from lex_base.staging import atomic_directory
 import modeling_lex
 from modeling_lex import LexForCausalLM
 
@@ -43,7 +43,7 @@ AUTO_MAP = {
 FLAT_MODULES = {"configuration_lex.configuration_lex": "configuration_lex"} | {
     f"modeling_lex.{info.name}": info.name for info in pkgutil.iter_modules(modeling_lex.__path__)
 }
-PROJECT_PACKAGES = ("configuration_lex", "modeling_lex", "lex", "convert")
+PROJECT_PACKAGES = ("configuration_lex", "modeling_lex", "lex", "convert", "lex_base")
 CARD_TAGS = ("lex", "xpos", "length-extrapolation", "custom_code")
 LICENSE_ID = re.compile(r"^[a-z0-9][a-z0-9.+-]*$")
 

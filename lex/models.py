@@ -3,7 +3,9 @@ overrides; the config a trained or exported model is saved with.
 
 Three kinds of causal LM take part: a LEX model (any attention mode, window and sinks, set on its config), a
 Llama, Mistral or Qwen2 checkpoint (as published, or converted in memory to a LEX model for another attention
-mode: convert.hf.lex_from_hf), and any other causal LM (as published only).
+mode: convert.hf.lex_from_hf), and any other causal LM (as published only). A Llama, Mistral or Qwen2 checkpoint
+may also be a `.gguf` file, or a folder holding exactly one: model_config, load_model and load_tokenizer read it
+through transformers' GGUF loader (convert.hf.gguf_file), dequantized, with the tokenizer it carries.
 """
 
 from collections.abc import Iterator
@@ -13,10 +15,11 @@ from typing import Literal, get_args
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import modeling_lex  # noqa: F401  (registers the Auto classes)
-from convert.hf import SOURCE_TYPES, lex_from_hf
+from convert.checkpoint import ConversionError
+from convert.hf import SOURCE_TYPES, gguf_config, gguf_file, gguf_tokenizer, lex_from_hf, load_gguf
 
 from .data import DataError
 
@@ -26,15 +29,23 @@ DTYPES: tuple[str, ...] = get_args(Dtype)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
-def model_config(path: str | Path, what: str, tokenizer: bool = False):
+def model_config(path: str | Path, what: str, tokenizer: bool = False, gguf: bool = False):
     """The config of the model folder (or Hub id) `path`, or a DataError naming `what` (the flag or argument)
     and the problem: no such folder, a folder without config.json, a config that does not load, and with
-    `tokenizer`, a local folder without tokenizer files. Cheap: no weights are read."""
+    `tokenizer`, a local folder without tokenizer files. With `gguf`, a .gguf file (or a folder of one) gives the
+    config it holds, once its architecture is checked. Cheap: no weights are read."""
+    source = source_gguf(path, what) if gguf else None
+    if source is not None:
+        try:
+            return gguf_config(source)
+        except ConversionError as error:
+            raise DataError(f"{what} {error}") from None
     folder = Path(path)
     if folder.exists() and not folder.is_dir():
-        raise DataError(f"{what} {path}: a file, not a model folder")
+        raise DataError(f"{what} {path}: a file, not a model folder{' nor a .gguf file' if gguf else ''}")
     if folder.is_dir() and not (folder / "config.json").is_file():
-        raise DataError(f"{what} {path}: not a model folder (it has no config.json)")
+        raise DataError(f"{what} {path}: not a model folder (it has no config.json)"
+                        f"{' and holds no .gguf file' if gguf else ''}")
     if not folder.exists() and (folder.is_absolute() or str(path).startswith(".") or str(path).count("/") > 1):
         raise DataError(f"{what} {path}: no such model folder")
     try:
@@ -45,6 +56,26 @@ def model_config(path: str | Path, what: str, tokenizer: bool = False):
     if tokenizer and folder.is_dir() and not has_tokenizer(folder):
         raise DataError(f"{what} {path}: the model folder has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
     return config
+
+
+def source_gguf(path: str | Path, what: str = "MODEL") -> Path | None:
+    """The .gguf file `path` names (itself, or a folder's one), None for a model folder or Hub id; a folder with
+    several .gguf files is a DataError naming them."""
+    try:
+        return gguf_file(path)
+    except ConversionError as error:
+        raise DataError(f"{what} {error}") from None
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer of a model folder, Hub id or .gguf file."""
+    gguf = source_gguf(path)
+    if gguf is None:
+        return AutoTokenizer.from_pretrained(str(path))
+    try:
+        return gguf_tokenizer(gguf)
+    except ConversionError as error:
+        raise DataError(f"MODEL {error}") from None
 
 
 def attention_modes(config, modes: list[str]) -> tuple[list[str], str | None]:
@@ -68,7 +99,14 @@ def load_model(
     """A causal LM in eval mode on `device`. For a LEX folder the arguments override its config (None: the
     folder's). A Llama, Mistral or Qwen2 folder loads as published unless a windowed mode, a window or sinks
     are asked for: then it is converted in memory (`convert.hf.lex_from_hf`, no second copy of the weights).
-    Another causal LM loads as published and refuses the overrides."""
+    Another causal LM loads as published and refuses the overrides. A .gguf file loads dequantized to `dtype`."""
+    gguf = source_gguf(path)
+    if gguf is not None:
+        try:
+            model = load_gguf(gguf, getattr(torch, dtype))
+        except ConversionError as error:
+            raise DataError(f"MODEL {error}") from None
+        return with_attention(model.to(device).eval(), attention_mode, attention_window, attention_sinks, str(path))
     config = model_config(path, "MODEL")
     if config.model_type == "lex":
         overrides = {k: v for k, v in (("attention_mode", attention_mode), ("attention_window", attention_window),
@@ -103,8 +141,9 @@ def attention_variants(
 ) -> Iterator[tuple[str, int, torch.nn.Module]]:
     """(attention_mode, attention_sinks, model) for each mode of `modes` with each of `sinks`, one model alive
     at a time; full attention once (sinks change nothing there), and a non-LEX, non-Llama-family model in full
-    attention only (`attention_modes` says so). A Llama-family folder is read once and converted per mode."""
-    config = model_config(path, "MODEL")
+    attention only (`attention_modes` says so). A Llama-family folder (or .gguf file) is read once and converted
+    per mode."""
+    config = model_config(path, "MODEL", gguf=True)
     modes, _ = attention_modes(config, modes)
     pairs = [(mode, s) for mode in modes for s in (sinks if mode != "full" else [0])]
     if config.model_type == "lex":

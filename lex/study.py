@@ -35,7 +35,7 @@ from transformers.trainer_callback import PrinterCallback
 
 from configuration_lex import POSITION_EMBEDDING_TYPES, LexConfig
 from convert.hf import lex_from_hf
-from convert.staging import atomic_directory
+from lex_base.staging import atomic_directory
 from modeling_lex import LexForCausalLM
 
 from .data import (DataError, check_text_file, expand_globs, load_documents, pack, tokenize_documents,

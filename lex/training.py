@@ -35,7 +35,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 import modeling_lex  # noqa: F401  (registers the Auto classes)
 from configuration_lex import LexConfig
-from convert.staging import atomic_files, is_staging
+from lex_base.staging import atomic_files, is_staging
 
 from .data import DataError, Packing, load_documents, pack, split_tail, tokenize_documents, train_tokenizer
 from .models import has_tokenizer, model_config, saved_for_generation
@@ -236,7 +236,7 @@ def resume_checkpoint(training_args: TrainingArguments, output_args: OutputArgum
 
     --resume_from_checkpoint names one; otherwise, when training into an existing --output_dir: its last complete
     checkpoint-*, or, if it has none, an error unless it is empty or --overwrite_output_dir is given. Staging
-    folders (convert.staging) do not count: they are never part of an output.
+    folders (lex_base.staging) do not count: they are never part of an output.
     """
     if not do_train:
         return None

@@ -136,7 +136,7 @@ class Tile:
     query_slots: torch.Tensor | None = None  # (chunks, b)
     first_query: int = 0  # the chunked tile's first query (its outputs start there)
     key_columns: torch.Tensor | None = None  # (chunks, span) or (B, chunks, span)
-    # Sinks at their positions within the cache (attention_sink_positions="cache") for a rotary method: the first
+    # Sinks seen from a frame of their own (visibility.sink_frame) by a rotary method: the first
     # `n_sinks` key columns are met by a second copy of each query, encoded in the sink frame by these factors.
     sink_query_factors: tuple[torch.Tensor, torch.Tensor] | None = None
     n_sinks: int = 0
@@ -220,14 +220,13 @@ def _terms(position_method: PositionMethod, q_rel: torch.Tensor, k_rel: torch.Te
     return terms.factors, terms.bias, terms.distance
 
 
-def _sink_frame_terms(config, position_method: PositionMethod, terms: tuple, q_index, start, q_positions,
-                      sink_positions):
-    """The position terms of the first S key columns (the sinks) in the sink frame (visibility.sink_frame), for
-    attention_sink_positions="cache"; the other columns keep theirs. Returns (factors, bias, distance,
-    sink_query_factors): a rotary method meets the sinks with a second copy of each query encoded in the frame
-    (per-token RoPE: moved from its own position by the shift that puts the stored sink keys there)."""
+def _sink_frame_terms(position_method: PositionMethod, terms: tuple, frame: tuple, q_positions, sink_positions):
+    """The position terms of the first S key columns (the sinks) in their frame (visibility.sink_frame); the other
+    columns keep theirs. Returns (factors, bias, distance, sink_query_factors): a rotary method meets the sinks with
+    a second copy of each query encoded in the frame (per-token RoPE: moved from its own position by the shift
+    that puts the stored sink keys there)."""
     factors, bias, distance = terms
-    q_frame, k_frame = sink_frame(config, q_index, start)
+    q_frame, k_frame = frame
     sinks = k_frame.shape[0]
     if position_method.per_token:  # keys hold their own positions: sink j is at p_s + j, the frame puts it at
         shift = q_frame - k_frame[0] + sink_positions[..., :1] - q_positions  # p_q - (q_frame - k_frame[j]) - j
@@ -265,10 +264,10 @@ def _dense_tile(
     k_rel = torch.where(k_valid, k_positions, anchor) - anchor  # padding and empty slots: at 0
     factors, bias, distance = _terms(position_method, q_rel, k_rel)
     sink_query_factors = None
-    if n_sinks and config.attention_sink_positions == "cache":
+    frame = sink_frame(config, ctx.query_index[queries][None], ctx.document_start[:, queries]) if n_sinks else None
+    if frame is not None:
         factors, bias, distance, sink_query_factors = _sink_frame_terms(
-            config, position_method, (factors, bias, distance), ctx.query_index[queries][None],
-            ctx.document_start[:, queries], ctx.query_positions[:, queries], sink_positions)
+            position_method, (factors, bias, distance), frame, ctx.query_positions[:, queries], sink_positions)
         if sink_query_factors is not None:
             sink_query_factors = tuple(f.unsqueeze(1) for f in sink_query_factors)
     if factors is not None:
@@ -309,10 +308,10 @@ def _chunked_tile(
     k_rel = torch.where(k_valid, k_positions, anchor) - anchor
     factors, bias, distance = _terms(position_method, q_pos - anchor, k_rel)
     sink_query_factors = None
-    if n_sinks and config.attention_sink_positions == "cache":
+    frame = sink_frame(config, ctx.query_index[query_slots][None], start) if n_sinks else None
+    if frame is not None:
         factors, bias, distance, sink_query_factors = _sink_frame_terms(
-            config, position_method, (factors, bias, distance), ctx.query_index[query_slots][None], start, q_pos,
-            sink_positions)
+            position_method, (factors, bias, distance), frame, q_pos, sink_positions)
         if sink_query_factors is not None:
             sink_query_factors = tuple(f.flatten(0, 1).unsqueeze(1) for f in sink_query_factors)
     if factors is not None:

@@ -61,10 +61,16 @@ def window_first(config, q_index: torch.Tensor, start: torch.Tensor) -> torch.Te
     return torch.maximum(first, start)
 
 
-def sink_frame(config, q_index: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sink position rule "cache" (StreamingLLM): in a frame where the query's window starts at 0, sink j sits
-    at j - S, just before it, and the query at its offset in its window. Returns the query's place (the shape of
-    q_index and start broadcast) and the sinks' places (S,): sink j is seen at distance offset + S - j."""
+def sink_frame(config, q_index: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The sink position rule: where a query sees its sinks from (`attention_sink_positions`).
+
+    "true": at their own positions (None: no frame of their own). "cache" (StreamingLLM): in a frame where the
+    query's window starts at 0, sink j sits at j - S, just before it, and the query at its offset in its window:
+    returns the query's place (the shape of q_index and start broadcast) and the sinks' places (S,), so sink j is
+    seen at distance offset + S - j, never more than S + w.
+    """
+    if config.attention_sink_positions == "true":
+        return None
     sinks = sink_count(config)
     return q_index - window_first(config, q_index, start), torch.arange(-sinks, 0, device=q_index.device)
 

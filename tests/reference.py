@@ -265,3 +265,14 @@ def llama_window_attention(model, mode: str, window: int, sinks: int, rule: str)
         return (scores.softmax(-1, dtype=torch.float32).to(value.dtype) @ value).transpose(1, 2).contiguous(), None
 
     return attention
+
+
+def use_window_attention(model, mode: str, window: int, sinks: int, rule: str = "cache"):
+    """Give transformers' Llama (or Qwen2/Mistral: the same rotation) `llama_window_attention` as its attention
+    implementation; returns the model."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = f"lex-reference-{mode}-{window}-{sinks}-{rule}-{id(model)}"
+    ALL_ATTENTION_FUNCTIONS.register(name, llama_window_attention(model, mode, window, sinks, rule))
+    model.set_attn_implementation(name)
+    return model

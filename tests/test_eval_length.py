@@ -264,12 +264,16 @@ def llama_folder(tokenizer, tmp_path_factory) -> Path:
     return path
 
 
-def masked_nll(path: Path, texts: list[str], budget: int, mask: torch.Tensor | None) -> float:
+def masked_nll(path: Path, texts: list[str], budget: int, mask: torch.Tensor | None,
+               sinks_in_cache: tuple[str, int, int] | None = None) -> float:
     """Perplexity of each text's first `budget` tokens read in one window by transformers' own class, under an
-    explicit additive 4D mask (None: its causal mask)."""
+    explicit additive 4D mask (None: its causal mask), or with `sinks_in_cache` = (mode, w, S) under
+    tests/reference.py's naive window attention with S sinks placed within the cache (a converted model's rule)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model, tokenizer = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+    if sinks_in_cache is not None:
+        reference.use_window_attention(model, *sinks_in_cache)
     nll, count = 0.0, 0
     for text in texts:
         ids = torch.tensor([tokenizer(text, add_special_tokens=False).input_ids[:budget]])
@@ -289,7 +293,8 @@ def window_mask(mode: str, length: int, window: int, sinks: int) -> torch.Tensor
 def test_eval_length_on_a_llama_folder_reads_every_mode_with_and_without_sinks(llama_folder, texts, tmp_path,
                                                                               capsys):
     """Full attention is the checkpoint as published; sliding and blockwise (w = 8) with 0 and 4 sinks are the
-    checkpoint converted in memory, each equal to transformers' Llama under that window's explicit 4D mask."""
+    checkpoint converted in memory, each equal to transformers' Llama under that window's explicit 4D mask (with
+    sinks: under tests/reference.py's window attention, the sinks placed within the cache)."""
     out = tmp_path / "eval"
     assert lex(["eval-length", str(llama_folder), "--files", documents_glob(tmp_path / "docs", texts), "--lengths", "8,48",
                 "--attention_modes", "full,sliding,blockwise", "--attention_sinks", "0,4", "--attention_window", "8",
@@ -304,7 +309,8 @@ def test_eval_length_on_a_llama_folder_reads_every_mode_with_and_without_sinks(l
     assert at_48["full", 0] == pytest.approx(masked_nll(llama_folder, texts, 48, None), rel=1e-5)
     for mode in ("sliding", "blockwise"):
         for sinks in (0, 4):
-            expected = masked_nll(llama_folder, texts, 48, window_mask(mode, 48, 8, sinks))
+            expected = masked_nll(llama_folder, texts, 48, window_mask(mode, 48, 8, 0)) if not sinks else \
+                masked_nll(llama_folder, texts, 48, None, sinks_in_cache=(mode, 8, sinks))
             assert at_48[mode, sinks] == pytest.approx(expected, rel=1e-5), (mode, sinks)
     assert len({round(p, 6) for p in at_48.values()}) == 5  # the five readings differ at 6 windows
     passkey = json.loads((out / "passkey.json").read_text())

@@ -25,7 +25,7 @@ from modeling_lex import LexForCausalLM
 pytestmark = pytest.mark.oldest  # also run on the oldest transformers we declare
 
 ROOT = Path(__file__).resolve().parents[1]
-PROJECT_ENTRIES = ("configuration_lex", "modeling_lex", "lex", "convert")
+PROJECT_ENTRIES = ("configuration_lex", "modeling_lex", "lex", "convert", "lex_base")
 CODE_FILES = {"configuration_lex.py", "xpos.py", "positions.py", "visibility.py", "stream.py", "cache.py", "masking.py",
               "kernels.py", "generation.py", "modeling_lex.py"}
 TRAINING_LENGTH = 16
@@ -342,8 +342,7 @@ def test_loads_with_remote_code_where_the_package_is_absent(model, exported, sha
         assert text.startswith("In the beginning") and len(text) > len("In the beginning"), text
         model.save_pretrained("resaved")  # what the loaded model's own push_to_hub would upload
         import os
-        assert {{"configuration_lex.py", "xpos.py", "attention.py", "cache.py", "modeling_lex.py"}} <= set(
-            os.listdir("resaved")), os.listdir("resaved")
+        assert set({sorted(CODE_FILES)!r}) <= set(os.listdir("resaved")), os.listdir("resaved")
         print("remote code ok")
     """)
     env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "PATH": "/usr/bin:/bin",

@@ -479,15 +479,16 @@ def test_sdpa_serves_query_groups_without_copying_keys(monkeypatch):
 
 def test_cli_continues_a_llama_folder_through_a_window_with_sinks(tmp_path, capsys):
     """`lex generate LLAMA --attention_mode sliding --attention_window 8 --attention_sinks 4`: the continuation is
-    transformers' own Llama decoding greedily under the explicit sliding + sinks mask over the whole sequence,
-    and the cache holds S + w - 1 = 11 positions; without the flags the folder runs as published."""
+    transformers' own Llama decoding greedily over the whole sequence under a naive sliding attention whose 4 sinks
+    sit within the cache (tests/reference.py), and the cache holds S + w - 1 = 11 positions; without the flags the
+    folder runs as published."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from lex.cli import main as lex
 
     tokenizer, words = word_tokenizer()
     torch.manual_seed(0)
-    source = reference_llama = perturb(LlamaForCausalLM(LlamaConfig(
+    source = perturb(LlamaForCausalLM(LlamaConfig(
         vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=16, pad_token_id=0, eos_token_id=None, bos_token_id=None)),
         seed=0).eval()
@@ -497,12 +498,11 @@ def test_cli_continues_a_llama_folder_through_a_window_with_sinks(tmp_path, caps
     (tmp_path / "prompt.txt").write_text(text)
     ids = tokenizer(text, return_tensors="pt").input_ids
     sequence = ids
+    reference_llama = reference.use_window_attention(LlamaForCausalLM.from_pretrained(tmp_path / "llama").eval(),
+                                                     "sliding", 8, 4)
     for _ in range(12):
-        n = sequence.shape[1]
-        allowed = reference.visible("sliding", 8, n, pad=0, sinks=4)
-        mask = torch.zeros(n, n).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
         with torch.no_grad():
-            following = reference_llama(sequence, attention_mask=mask).logits[:, -1].argmax(-1, keepdim=True)
+            following = reference_llama(sequence).logits[:, -1].argmax(-1, keepdim=True)
         sequence = torch.cat([sequence, following], 1)
     expected = tokenizer.decode(sequence[0, ids.shape[1] :])
     assert lex(["generate", str(tmp_path / "llama"), "--prompt_file", str(tmp_path / "prompt.txt"),

@@ -5,10 +5,10 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("configuration_lex", "modeling_lex", "convert", "lex")
+PACKAGES = ("lex_base", "configuration_lex", "modeling_lex", "convert", "lex")
 # A module may import modules of its own layer or below, never above.
-LAYERS = {"configuration_lex": 0, "modeling_lex": 1, "convert": 2, "lex": 3, "lex.metrics": 4, "lex.commands": 4,
-          "lex.cli": 5}
+LAYERS = {"lex_base": -1, "configuration_lex": 0, "modeling_lex": 1, "convert": 2, "lex": 3, "lex.metrics": 4,
+          "lex.commands": 4, "lex.cli": 5}
 # The rooms of modeling_lex/, each importing only rooms before it: formulas, then who sees whom, the stream's
 # bookkeeping, the generate() glue, the caches that store what each step says, the masks and the attention plan,
 # the kernels that run it, and the model file that reads top to bottom.

@@ -206,6 +206,7 @@ def test_a_converted_llama_equals_transformers_llama_with_its_sinks_placed_by_th
     forward, cached one token at a time, and by generate(), past several windows."""
     llama = tiny_llama()
     lex = lex_from_hf(llama, mode, W, S).eval()
+    assert lex.config.attention_sink_positions == "cache"  # what a converted checkpoint gets
     lex.config.attention_sink_positions = rule
     name = f"lex-test-{mode}-{rule}"
     ALL_ATTENTION_FUNCTIONS.register(name, reference.llama_window_attention(llama, mode, W, S, rule))
@@ -227,7 +228,7 @@ def test_a_converted_llama_equals_transformers_llama_with_its_sinks_placed_by_th
 def test_the_two_rules_differ_only_once_a_sink_leaves_the_window():
     llama = tiny_llama(seed=1)
     true, cache = (lex_from_hf(llama, "sliding", W, S).eval() for _ in range(2))
-    cache.config.attention_sink_positions = "cache"
+    true.config.attention_sink_positions = "true"
     ids = prompt(1, 3 * W)
     with torch.no_grad():
         a, b = true(ids).logits, cache(ids).logits

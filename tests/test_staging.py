@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from configuration_lex import LexConfig
-from convert.staging import atomic_directory, atomic_files, host_tag, make_staging, process_exists
 from convert.torchscale import convert_to_torchscale
+from lex_base.staging import atomic_directory, atomic_files, host_tag, make_staging, process_exists
 from modeling_lex import LexForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,10 +25,10 @@ ROOT = Path(__file__).resolve().parents[1]
 KILLED = """
 import os, signal, sys
 from pathlib import Path
-import convert.staging, transformers
+import lex_base.staging, transformers
 
 where, when, args = sys.argv[1], sys.argv[2], sys.argv[3:]
-owner, name = (transformers.PreTrainedModel, "save_pretrained") if where == "save" else (convert.staging, "_exchange")
+owner, name = (transformers.PreTrainedModel, "save_pretrained") if where == "save" else (lex_base.staging, "_exchange")
 real = getattr(owner, name)
 
 def dies(*a, **k):

@@ -24,11 +24,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from tests import reference
 
-from convert.staging import host_tag
 from lex.cli import main as lex
 from lex.data import load_documents
 from lex.report import perplexity_figure
 from lex.study import SETTINGS
+from lex_base.staging import host_tag
 
 VARIANTS = ("xpos", "rope", "alibi", "llama")  # the fixture's study: the paper's three and the llama
 LEX_READINGS = {("full", 0), ("blockwise", 0)}
@@ -170,8 +170,9 @@ def window_perplexity(model, ids: list[torch.Tensor], budget: int, length: int, 
 def independent_perplexities(folder: Path, study: dict) -> dict[tuple, float]:
     """{(model, reading, protocol, length): ppl} computed here from the saved models, one plain forward per window
     (no cache, no streaming, none of lex.perplexity), on the held-out documents the study read. A LEX model runs
-    in each mode through its own class; the llama is transformers' own LlamaForCausalLM, as published (full) and
-    under an explicit 4D mask per window for each window (w = l) with 0 and 4 sinks."""
+    in each mode through its own class; the llama is transformers' own LlamaForCausalLM, as published (full),
+    under an explicit 4D mask per window for each window (w = l) without sinks, and with 4 sinks under
+    tests/reference.py's window attention that places them within the cache."""
     documents = load_documents(validation_fraction=0.1, seed=study["seed"])["validation"]["text"]
     budget, values, window = max(study["lengths"]), {}, study["settings"]["length"]
     for model_name in study["variants"]:
@@ -186,8 +187,12 @@ def independent_perplexities(folder: Path, study: dict) -> dict[tuple, float]:
             runs = [(mode, 0, AutoModelForCausalLM.from_pretrained(folder / model_name, attention_mode=mode).eval())
                     for mode, _ in sorted(LEX_READINGS)]
         for mode, sinks, model in runs:
-            mask_of = (lambda n, mode=mode, sinks=sinks: window_mask(mode, n, window, sinks)) \
-                if model_name == "llama" else (lambda n: None)
+            mask_of = (lambda n, mode=mode: window_mask(mode, n, window, 0)) \
+                if model_name == "llama" and not sinks else (lambda n: None)
+            if model_name == "llama":  # sinks placed within the cache, as the converted readings see them
+                model.set_attn_implementation("eager")
+                if sinks:
+                    reference.use_window_attention(model, mode, window, sinks)
             for protocol in ("segments", "strided"):
                 for length in study["lengths"]:
                     values[(model_name, label(mode, sinks), protocol, length)] = window_perplexity(

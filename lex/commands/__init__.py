@@ -9,9 +9,9 @@ The contract every command keeps (lex/cli.py enforces the last point):
    and error messages name a flag as the user typed it (`parser.flag("max_new_tokens")`).
 2. A bad command line (unknown flag, missing argument, a value that does not parse or is out of range) is
    `parser.error("...")`, which raises UsageError. A bad input found later (a file, a folder, a value the
-   library refuses) is a LexError (convert/errors.py) from the library: DataError, ConversionError,
+   library refuses) is a LexError (lex_base/errors.py) from the library: DataError, ConversionError,
    ExportError. Messages name the flag, file or field and the allowed values.
-3. Every input is checked before anything is written. Folders are written through convert.staging
+3. Every input is checked before anything is written. Folders are written through lex_base.staging
    (`atomic_directory`, `atomic_files`): nothing appears until the block completes, so a command that fails
    (or is killed, or gets SIGTERM) leaves its output folder as it was.
 4. lex/cli.py runs the command: a LexError (UsageError included) or an OSError becomes one line
@@ -35,10 +35,11 @@ plus one line in lex/cli.py's COMMANDS: "convert-hf": ("lex.commands.convert_hf"
 
 import argparse
 import copy
+import re
 import sys
 from collections.abc import Callable, Iterable
 
-from convert.errors import LexError
+from lex_base.errors import LexError
 
 ALIAS_NOTE = "Flags are spelled with underscores, as in run_clm.py; the hyphenated spelling (--flag-name) works too."
 
@@ -65,74 +66,111 @@ def spellings(names: Iterable[str]) -> tuple[list[str], set[str]]:
 
 class Spellings:
     """The flag-spelling and error half of LexArgumentParser, mixed into any argparse.ArgumentParser subclass
-    (HfArgumentParser for `lex train`): both spellings of every long flag, one shown in --help, abbreviations
-    that match one flag under two spellings are not ambiguous, and errors raise UsageError (one line)."""
+    (HfArgumentParser for `lex train`): both spellings of every long flag (one shown in --help, by
+    OneSpellingHelp), an abbreviation that matches one flag under its two spellings is that flag, and errors
+    raise UsageError (one line) naming a flag as the user typed it. argparse's public interface only."""
+
+    @property
+    def flag_actions(self) -> dict[str, argparse.Action]:
+        """Every option string of this parser and its groups -> its action."""
+        return vars(self).setdefault("lex_flag_actions", {})
 
     def add_argument(self, *names, **kwargs):
+        return self.add_spelled(super().add_argument, names, kwargs)
+
+    def add_spelled(self, add: Callable[..., argparse.Action], names: tuple[str, ...], kwargs: dict):
+        """`add(*names, **kwargs)` (the parser's or a group's add_argument) with both spellings of each long flag;
+        the hyphen ones are the action's `hidden_spellings`."""
         hidden: set[str] = set()
         if names and names[0].startswith("-"):
             names, hidden = spellings(names)
-        action = super().add_argument(*names, **kwargs)
+        action = add(*names, **kwargs)
         action.hidden_spellings = hidden
+        self.flag_actions.update(dict.fromkeys(action.option_strings, action))
         return action
 
     def add_argument_group(self, *args, **kwargs):
-        group = _Group(self, *args, **kwargs)
-        self._action_groups.append(group)
-        return group
+        return SpelledGroup(self, super().add_argument_group(*args, **kwargs))
 
     def parse_known_args(self, args=None, namespace=None):
-        self._argv = list(sys.argv[1:] if args is None else args)
-        return super().parse_known_args(args, namespace)
+        self.typed_argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(self.unabbreviated(self.typed_argv), namespace)
 
-    def _get_option_tuples(self, option_string):
-        # "--max_new" may abbreviate one flag under two spellings: one match, not an ambiguity
-        matches, seen = [], set()
-        for match in super()._get_option_tuples(option_string):
-            if id(match[0]) not in seen:
-                seen.add(id(match[0]))
-                matches.append(match)
-        return matches
+    def prefixed(self, typed: str) -> dict[str, argparse.Action]:
+        """The option strings that `typed` abbreviates (or is) -> their actions."""
+        return {s: action for s, action in self.flag_actions.items() if s.startswith(typed)}
+
+    def unabbreviated(self, argv: list[str]) -> list[str]:
+        """`argv` with each abbreviation of one flag under both its spellings written out (`--max` for
+        --max_new_tokens / --max-new-tokens), which argparse would call ambiguous; the rest as given."""
+        if not self.allow_abbrev:
+            return argv
+        written = []
+        for i, argument in enumerate(argv):
+            if argument == "--":
+                return written + argv[i:]
+            typed, equals, value = argument.partition("=")
+            matches = self.prefixed(typed) if typed.startswith("--") and typed not in self.flag_actions else {}
+            if len(matches) > 1 and len({id(action) for action in matches.values()}) == 1:
+                argument = next(iter(matches)) + equals + value
+            written.append(argument)
+        return written
 
     def spelled(self, action: argparse.Action) -> str:
         """The option string the user typed for `action` (the last one on the command line), else its name."""
-        for argument in reversed(getattr(self, "_argv", [])):
+        for argument in reversed(getattr(self, "typed_argv", [])):
             typed = argument.split("=", 1)[0]
             if typed in action.option_strings:
                 return typed
             if typed.startswith("--") and len(typed) > 2:
-                prefixed = [s for s in action.option_strings if s.startswith(typed)]
-                if prefixed and all(self._option_string_actions[s] is action for s in prefixed):
-                    return typed if typed in prefixed else prefixed[0]
+                matches = self.prefixed(typed)
+                if matches and all(match is action for match in matches.values()):
+                    return next(iter(matches))
         shown = [s for s in action.option_strings if s not in action.hidden_spellings and s.startswith("--")]
         return (shown or action.option_strings or [action.dest])[0]
 
     def flag(self, dest: str) -> str:
         """The flag of argument `dest` as the user spelled it, for error messages."""
-        actions = [a for a in self._actions if a.dest == dest and a.option_strings]
+        actions = [a for a in self.flag_actions.values() if a.dest == dest]
         return self.spelled(actions[0]) if actions else dest
 
     def error(self, message: str):
-        for action in self._actions:
+        for action in dict.fromkeys(self.flag_actions.values()):
             if getattr(action, "hidden_spellings", None):
                 message = message.replace("/".join(action.option_strings), self.spelled(action))
+        ambiguous = re.fullmatch(r"(ambiguous option: \S+ could match )(.*)", message)
+        if ambiguous:  # each flag once, under the first spelling argparse lists
+            shown = {}
+            for option in ambiguous[2].split(", "):
+                shown.setdefault(id(self.flag_actions.get(option, option)), option)
+            message = ambiguous[1] + ", ".join(shown.values())
         raise UsageError(message)
 
 
-class _Group(Spellings, argparse._ArgumentGroup):
-    def add_argument_group(self, *args, **kwargs):  # argparse groups do not nest; keep its own behaviour
-        return argparse._ArgumentGroup.add_argument_group(self, *args, **kwargs)
+class SpelledGroup:
+    """An argument group of a Spellings parser (argparse's own, registered with the parser) whose add_argument
+    gives both spellings; everything else is the group's."""
+
+    def __init__(self, parser: Spellings, group):
+        self.parser, self.group = parser, group
+
+    def add_argument(self, *names, **kwargs):
+        return self.parser.add_spelled(self.group.add_argument, names, kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.group, name)
 
 
 class OneSpellingHelp(argparse.RawDescriptionHelpFormatter):
-    """--help lists each flag once, in its underscore spelling."""
+    """--help lists each flag once, in its underscore spelling (the usage line names a flag by its first option
+    string, the underscore one, already)."""
 
-    def _format_action_invocation(self, action):
+    def add_argument(self, action: argparse.Action) -> None:
         hidden = getattr(action, "hidden_spellings", None)
         if hidden:
             action = copy.copy(action)
             action.option_strings = [s for s in action.option_strings if s not in hidden]
-        return super()._format_action_invocation(action)
+        super().add_argument(action)
 
 
 class LexArgumentParser(Spellings, argparse.ArgumentParser):

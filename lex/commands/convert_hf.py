@@ -10,7 +10,8 @@ from lex.models import DTYPES
 
 def convert_hf_parser() -> LexArgumentParser:
     parser = LexArgumentParser("convert-hf", description=hf.__doc__)
-    parser.add_argument("src", type=Path, help="a LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM folder")
+    parser.add_argument("src", type=Path, help="a LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM folder, "
+                                                "or a Llama, Mistral or Qwen2 .gguf file (or a folder of one)")
     parser.add_argument("out", type=Path, help="the LEX folder to write")
     parser.add_argument("--attention_mode", choices=ATTENTION_MODES,
                         help="default: what the source computes (full, or sliding for a sliding window)")

@@ -2,10 +2,11 @@
 --output_dir DIR`
 
 Perplexity by evaluation length (lex.perplexity: the paper's "segments" protocol and a "strided" one) for LEX
-folders and Llama, Mistral or Qwen2 folders (full attention as published; the other modes converted in memory)
-in every attention mode with each number of attention sinks, and for any other causal LM as published. Prints the
-tables and writes results.csv, results.json and ppl_vs_length.png; with --resolution the attention resolution
-per layer (resolution.json, resolution.png), with --passkey the passkey probe for every mode (passkey.json).
+folders and Llama, Mistral or Qwen2 folders or .gguf files (full attention as published; the other modes
+converted in memory) in every attention mode with each number of attention sinks, and for any other causal LM as
+published. Prints the tables and writes results.csv, results.json and ppl_vs_length.png; with --resolution the
+attention resolution per layer (resolution.json, resolution.png), with --passkey the passkey probe for every mode
+(passkey.json).
 """
 
 import argparse
@@ -13,23 +14,23 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
 from configuration_lex import ATTENTION_MODES
-from convert.staging import atomic_files
 from convert.hf import SOURCE_TYPES, lex_from_hf
 from lex.commands import LexArgumentParser, comma_list, non_negative_ints, positive_int, positive_ints
 from lex.data import DataError, evaluation_texts, tokenized_documents
-from lex.models import attention_modes, attention_variants, model_config
+from lex.models import attention_modes, attention_variants, load_tokenizer, model_config
 from lex.passkey import passkey_rows
 from lex.perplexity import PROTOCOLS, score_rows
 from lex.report import passkey_table, plot_resolution, protocol_table, resolution_table, write_results
 from lex.resolution import analytic_curves, resolution_rows
+from lex_base.staging import atomic_files
 
 
 def build_parser() -> LexArgumentParser:
     parser = LexArgumentParser("eval-length", description=__doc__)
-    parser.add_argument("model", nargs="+", help="model folders (a LEX folder, or any causal LM)")
+    parser.add_argument("model", nargs="+",
+                        help="model folders (a LEX folder, or any causal LM) or Llama, Mistral or Qwen2 .gguf files")
     parser.add_argument("--files", help="globs of evaluation text files; default: the held-out KJV books")
     parser.add_argument("--lengths", default="256,512,1024,2048", type=positive_ints,
                         help="comma-separated evaluation lengths")
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     notes = {}
     for path in args.model:
-        config = model_config(path, "MODEL", tokenizer=True)
+        config = model_config(path, "MODEL", tokenizer=True, gguf=True)
         if args.resolution and config.model_type not in ("lex", *SOURCE_TYPES):
             raise DataError(f"--resolution reads a LEX model's attention scores (or a converted "
                             f"{'/'.join(SOURCE_TYPES)} one's); {path} holds a {config.model_type!r} model")
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     texts = evaluation_texts(args.files)
     rows, resolution, curves, passkey = [], [], {}, []
     for path in args.model:
-        name, tokenizer = Path(path).name, AutoTokenizer.from_pretrained(path)
+        name, tokenizer = Path(path).name, load_tokenizer(path)
         if notes[path]:
             print(f"{name}: {notes[path]}")
         documents = tokenized_documents(tokenizer, texts)

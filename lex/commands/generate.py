@@ -2,8 +2,9 @@
 
 generate() reads the prompt window by window (a progress bar counts it), then streams the continuation to
 stdout. In blockwise and sliding modes memory stays O(window + sinks) however long the prompt is. MODEL is a LEX
-folder, or a Llama, Mistral or Qwen2 folder: as published by default (its own cache, which grows with the
-document), converted in memory to a LEX model by --attention_mode / --attention_window / --attention_sinks.
+folder, or a Llama, Mistral or Qwen2 folder or .gguf file (dequantized, with its tokenizer): as published by
+default (its own cache, which grows with the document), converted in memory to a LEX model by --attention_mode /
+--attention_window / --attention_sinks.
 """
 
 import argparse
@@ -15,19 +16,20 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, TextStreamer
+from transformers import TextStreamer
 
 from configuration_lex import ATTENTION_MODES
 from convert.hf import SOURCE_TYPES
 from lex.commands import LexArgumentParser, positive_int
 from lex.data import DataError, check_text_file
-from lex.models import DTYPES, load_model, model_config
+from lex.models import DTYPES, load_model, load_tokenizer, model_config
 from modeling_lex.generation import CACHE_NAME
 
 
 def build_parser() -> LexArgumentParser:
     parser = LexArgumentParser("generate", description=__doc__)
-    parser.add_argument("model", help="a LEX, Llama, Mistral or Qwen2 model folder (or Hub id) with its tokenizer")
+    parser.add_argument("model", help="a LEX, Llama, Mistral or Qwen2 model folder (or Hub id) with its tokenizer, "
+                                       "or a Llama, Mistral or Qwen2 .gguf file")
     parser.add_argument("--prompt_file", type=Path, required=True, help="UTF-8 text to continue")
     parser.add_argument("--max_new_tokens", type=int, default=200)
     parser.add_argument("--do_sample", action="store_true", help="sample instead of greedy decoding")
@@ -69,7 +71,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.prompt = args.prompt_file.read_text(encoding="utf-8")
     if not args.prompt.strip():
         raise DataError(f"{flag} {args.prompt_file}: the file holds no text")
-    config = model_config(args.model, "MODEL", tokenizer=True)
+    config = model_config(args.model, "MODEL", tokenizer=True, gguf=True)
     if config.model_type not in ("lex", *SOURCE_TYPES):
         raise DataError(f"MODEL {args.model} holds a {config.model_type!r} model; lex generate runs LEX models and "
                         f"{', '.join(SOURCE_TYPES)} checkpoints")
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     model = load_model(args.model, args.attention_mode, args.device, args.dtype, args.attention_window,
                        args.attention_sinks)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer = load_tokenizer(args.model)
     input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(args.device)
     if input_ids.shape[1] == 0:
         raise DataError(f"{args.prompt_file} holds no tokens of the model's tokenizer")

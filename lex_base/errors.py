@@ -8,9 +8,8 @@ Subclasses: ConversionError (convert.checkpoint), DataError (lex.data), ExportEr
 (lex.commands: the command line itself), OutputExistsError (below). LexError is a ValueError, as all of them
 were before, so code that catches ValueError still catches them.
 
-It lives here, in convert/, because that is the lowest room that raises user errors and both convert/ and
-lex/ may import it (tests/test_layout.py); configuration_lex/ is exported as flat remote code (lex.export) and
-must import nothing of the project.
+It lives in lex_base/, the room below convert/ and lex/ that both import (tests/test_layout.py);
+configuration_lex/ is exported as flat remote code (lex.export) and must import nothing of the project.
 """
 
 
