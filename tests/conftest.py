@@ -64,6 +64,18 @@ def lex_run(capsys) -> LexRun:
     return LexRun(capsys)
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """dynamo's caches and graph counters emptied before and after the test (compiled-graph counts)."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models decode fastest on one thread; several contend badly when the machine is busy. A module uses it

@@ -146,3 +146,15 @@ def trained_model(config: LexConfig, steps: int = 150, seed: int = 0) -> LexForC
         optimizer.step()
         optimizer.zero_grad()
     return model.eval()
+
+
+def load_weights(state: dict, strict: bool = True, **config) -> LexForCausalLM:
+    """A LexForCausalLM of tiny_config(**config) holding `state` (weights trained under another attention mode)."""
+    model = LexForCausalLM(tiny_config(**config)).eval()
+    model.load_state_dict(state, strict=strict)
+    return model
+
+
+def greedy_tokens(model, ids, new_tokens: int, **options) -> torch.Tensor:
+    """The sequences of transformers' greedy search."""
+    return model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=PAD, **options)

@@ -1,7 +1,8 @@
 """generate() with the bounded cache: the incremental form of the no-cache forward in every mode.
 
 References: the model's own no-cache forward over the final sequence (itself held to tests/reference.py in
-test_model.py), the float64 naive reference directly for xPos, and generate() without any cache.
+test_model.py), the float64 naive reference directly for xPos, and generate() without any cache. Rollback
+(assisted and prompt-lookup decoding) is tested in test_assisted.py, the static cache in test_static_cache.py.
 """
 
 import warnings
@@ -346,80 +347,7 @@ def test_bad_generate_input_raises_clearly():
         cache.crop(3)
 
 
-# ---------------------------------------------------------------- rollback: assisted and prompt-lookup decoding
-
-
-@pytest.mark.parametrize("mode", ["blockwise", "sliding", "full"])
-def test_assisted_and_prompt_lookup_decoding_equal_greedy(mode):
-    """generate() rolls the cache back over rejected candidates: the tokens and logits of plain greedy search,
-    with an assistant model (the same model and a different one) and with prompt lookup, across several
-    blocks; between forwards the cache holds at most w - 1 plus the tokens of the last forward."""
-    model = perturbed_model(tiny_config(attention_mode=mode))
-    other = perturbed_model(tiny_config(attention_mode=mode), seed=5)
-    for assistant in (model, other):
-        assistant.generation_config.num_assistant_tokens = 4
-        assistant.generation_config.num_assistant_tokens_schedule = "constant"
-    ids = torch.cat([prompt(1, 12, seed=3)] * 3, dim=1)  # repeats, so prompt lookup finds candidates
-    expected = greedy(model, ids, max_new_tokens=3 * W)
-    cache = LexCache(model.config)
-    sizes = []
-    hook = model.model.register_forward_hook(
-        lambda module, args, output: sizes.append(max(layer.keys.shape[2] for layer in cache.layers))
-    )
-    runs = {
-        "other assistant": dict(assistant_model=other, past_key_values=cache),
-        "same model as assistant": dict(assistant_model=model),
-        "prompt lookup": dict(prompt_lookup_num_tokens=4),
-    }
-    for name, options in runs.items():
-        out = greedy(model, ids, max_new_tokens=3 * W, **options)
-        hook.remove()
-        assert torch.equal(out.sequences, expected.sequences), name
-        torch.testing.assert_close(torch.stack(out.logits), torch.stack(expected.logits), atol=1e-4, rtol=1e-4)
-    if mode != "full":
-        prefill = -(-ids.shape[1] // W)  # forwards of w prompt tokens: w - 1 + w at most while recording
-        assert max(sizes[:prefill]) <= 2 * W - 1
-        assert max(sizes[prefill:]) <= W - 1 + 4 + 1  # then 4 candidates and the token before them  # sizes[0]: the prompt, read before recording starts
-        assert cache.held <= W - 1  # the last crop shrank it back
-
-
-def test_crop_rolls_back_exactly():
-    """crop(-n) after a recorded forward gives the cache of a stream that never had those n tokens."""
-    model = perturbed_model(tiny_config())
-    ids = prompt(1, 2 * W + 3)
-    recorded, plain = LexCache(model.config), LexCache(model.config)
-    recorded.activate_past_recording()
-    with torch.no_grad():
-        model(ids[:, : 2 * W - 4], past_key_values=recorded)
-        model(ids[:, 2 * W - 4 :], past_key_values=recorded)  # 7 tokens, 5 of them rejected below
-        model(ids[:, : 2 * W - 2], past_key_values=plain)
-        recorded.crop(-5)
-        assert recorded.seen == plain.seen and recorded.held == plain.held
-        assert torch.equal(recorded.stream.positions, plain.stream.positions) and torch.equal(recorded.stream.index, plain.stream.index)
-        following = prompt(1, 4, seed=9)
-        torch.testing.assert_close(model(following, past_key_values=recorded).logits,
-                                   model(following, past_key_values=plain).logits, atol=1e-5, rtol=1e-5)
-
-
-# ---------------------------------------------------------------- the static cache
-
-
-@pytest.mark.parametrize("mode", ["blockwise", "sliding", "full"])
-def test_static_cache_generates_what_the_default_cache_does(mode):
-    """cache_implementation="static": fixed slots written in place; the tokens and logits of the default
-    LexCache for a left-padded batch over several blocks, and with 2 beams."""
-    model = perturbed_model(tiny_config(attention_mode=mode))
-    _, ids, mask = left_padded([5, 2 * W + 3, W])
-    default = greedy(model, ids, attention_mask=mask, max_new_tokens=2 * W)
-    static = greedy(model, ids, attention_mask=mask, max_new_tokens=2 * W, cache_implementation="static")
-    assert type(static.past_key_values).__name__ == "LexStaticCache"
-    assert torch.equal(static.sequences, default.sequences)
-    torch.testing.assert_close(torch.stack(static.logits), torch.stack(default.logits), atol=1e-4, rtol=1e-4)
-    if mode != "full":
-        assert static.past_key_values.layers[0].keys.shape[2] == W - 1
-    beams = dict(num_beams=2, max_new_tokens=W + 3, attention_mask=mask)
-    assert torch.equal(greedy(model, ids, cache_implementation="static", **beams).sequences,
-                       greedy(model, ids, **beams).sequences)
+# ---------------------------------------------------------------- attention maps while generating
 
 
 def test_attention_maps_while_generating_cover_the_held_keys():

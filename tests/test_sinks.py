@@ -1,8 +1,11 @@
 """Attention sinks (`attention_sinks` = S): the first S tokens of each document stay visible to every later query of
-that document in blockwise and sliding modes, at their true distance, everywhere the window is.
+that document in blockwise and sliding modes, everywhere the window is, seen from where `attention_sink_positions`
+places them (their true positions, or within the cache).
 
-References: the naive float64 model of tests/reference.py (which has the same rule), each packed document alone,
-and the model's own no-cache forward for the cached paths (itself held to the reference here).
+References: the naive float64 model of tests/reference.py (which has both rules), transformers' own Llama under a
+naive window attention with its sinks re-rotated to their places, each packed document alone, and the model's own
+no-cache forward for the cached paths (itself held to the reference here). Sinks with assisted decoding and the
+static cache are tested in test_assisted.py and test_static_cache.py.
 """
 
 import pytest
@@ -14,7 +17,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 import modeling_lex  # noqa: F401
 from configuration_lex import SINK_POSITIONS
 from convert.hf import lex_from_hf
-from modeling_lex import LexCache, LexStaticCache
+from modeling_lex import LexCache
 from tests import reference
 from tests.helpers import (
     W,
@@ -114,48 +117,6 @@ def test_generate_equals_repeated_full_forwards(mode, rule):
             torch.testing.assert_close(out.logits[step], logits, atol=1e-4, rtol=1e-4)
             sequence = torch.cat([sequence, logits.argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(out.sequences, sequence)
-
-
-@pytest.mark.parametrize("rule", SINK_POSITIONS)
-@pytest.mark.parametrize("mode", ["blockwise", "sliding", "full"])
-def test_static_cache_slots_and_tokens(mode, rule):
-    """min(w - 1 + S, max_cache_len) slots (full mode: max_cache_len); the tokens of the default cache."""
-    model = perturbed_model(tiny_config(attention_mode=mode, attention_sinks=S, attention_sink_positions=rule))
-    for short in (10, W + 1):  # a stream that never outgrows the slots: no sink slots needed
-        assert LexStaticCache(model.config, max_cache_len=short).layers[0].get_max_length() == short
-    long = LexStaticCache(model.config, max_cache_len=200).layers[0].get_max_length()
-    assert long == (200 if mode == "full" else W - 1 + S)
-    _, ids, mask = left_padded([2 * W + 3, 9])
-    for new in (3, 3 * W):  # a generation shorter than the window (fewer slots) and one past it
-        default = greedy(model, ids, attention_mask=mask, max_new_tokens=new)
-        static = greedy(model, ids, attention_mask=mask, max_new_tokens=new, cache_implementation="static")
-        assert torch.equal(static.sequences, default.sequences)
-        torch.testing.assert_close(torch.stack(static.logits), torch.stack(default.logits), atol=1e-4, rtol=1e-4)
-    fresh = perturbed_model(tiny_config(attention_mode=mode, attention_sinks=S))
-    short = greedy(fresh, ids[:, -9:], attention_mask=mask[:, -9:], max_new_tokens=3, cache_implementation="static")
-    assert short.past_key_values.layers[0].keys.shape[2] == 11  # generate() asks for max_length - 1 = 11 < w - 1 + S
-    # a model that generated longer keeps its static shapes for a shorter call, as transformers' static caches do
-    again = greedy(model, ids[:, -9:], attention_mask=mask[:, -9:], max_new_tokens=3, cache_implementation="static")
-    longest = ids.shape[1] + 3 * W - 1
-    assert again.past_key_values.layers[0].keys.shape[2] == (longest if mode == "full" else W - 1 + S)
-    assert torch.equal(again.sequences, short.sequences)
-
-
-@pytest.mark.parametrize("rule", SINK_POSITIONS)
-def test_assisted_and_prompt_lookup_decoding_with_sinks_equal_greedy(rule):
-    """Rollback with sink slots: a smaller assistant and prompt lookup give greedy's tokens and logits."""
-    model = perturbed_model(tiny_config(attention_mode="sliding", attention_sinks=S, attention_sink_positions=rule))
-    assistant = perturbed_model(tiny_config(attention_mode="blockwise", attention_window=8, attention_sinks=2,
-                                            num_hidden_layers=1), seed=3)
-    assistant.generation_config.num_assistant_tokens = 4
-    assistant.generation_config.num_assistant_tokens_schedule = "constant"
-    assistant.generation_config.assistant_confidence_threshold = 0.0
-    ids = torch.cat([prompt(1, 12, seed=3)] * 4, dim=1)  # repeats, so that prompt lookup finds candidates
-    expected = greedy(model, ids, max_new_tokens=3 * W)
-    for options in (dict(assistant_model=assistant), dict(prompt_lookup_num_tokens=5)):
-        out = greedy(model, ids, max_new_tokens=3 * W, **options)
-        assert torch.equal(out.sequences, expected.sequences)
-        torch.testing.assert_close(torch.stack(out.logits), torch.stack(expected.logits), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("mode", ["blockwise", "sliding"])

@@ -1,23 +1,36 @@
-"""Every decoding strategy on the bounded cache, against transformers' own greedy path, with small trained models.
+"""Rollback: assisted and prompt-lookup decoding, and `crop`, on the bounded caches.
 
-Random weights hardly ever accept a draft, so rollback would barely run: the models here are trained in-test on a
-Markov chain (tests/helpers.py `markov_batch`), which a model learns well but not perfectly. Each test counts the
-tokens `crop` rolled back, so it shows that rollback ran.
+Against transformers' own greedy path (the same tokens, and the logits at every step), with separate drafters,
+around block boundaries, with sinks, and `crop` against a stream that never had the rejected tokens. Random weights
+hardly ever accept a draft, so rollback would barely run: most models here are trained in-test on a Markov chain
+(tests/helpers.py `markov_batch`), which a model learns well but not perfectly, and those tests count the tokens
+`crop` rolled back, so they show that rollback ran.
 """
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
 
 import modeling_lex  # noqa: F401
-from modeling_lex import LexForCausalLM
+from configuration_lex import SINK_POSITIONS
+from modeling_lex import LexCache, LexForCausalLM
 from modeling_lex.stream import Stream
-from tests.helpers import PAD, left_padded, markov_batch, tiny_config, trained_model
+from tests.helpers import (
+    PAD,
+    W,
+    greedy,
+    greedy_tokens,
+    load_weights,
+    markov_batch,
+    perturbed_model,
+    prompt,
+    tiny_config,
+    trained_model,
+)
 
-LENGTH = 64  # the training length of the models below
+LENGTH = 64  # the training length of the trained models below
 MODES = ["blockwise", "sliding", "full"]
 DRAFTER = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1)
-
+S = 4
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.oldest]
 
@@ -32,9 +45,7 @@ def weights() -> dict[str, dict]:
 
 
 def build(state: dict, strict: bool = True, **config) -> LexForCausalLM:
-    model = LexForCausalLM(tiny_config(max_position_embeddings=LENGTH, **config)).eval()
-    model.load_state_dict(state, strict=strict)
-    return model
+    return load_weights(state, strict, max_position_embeddings=LENGTH, **config)
 
 
 def drafts(model: LexForCausalLM, tokens: int) -> LexForCausalLM:
@@ -59,10 +70,6 @@ def rolled_back(monkeypatch) -> list[int]:
     return removed
 
 
-def greedy(model, ids, new_tokens: int, **options) -> torch.Tensor:
-    return model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=PAD, **options)
-
-
 def same_as_greedy(model, ids, new_tokens: int, **options) -> None:
     """The tokens of transformers' greedy search without an assistant, and its logits at every step (trained models
     are confident: a wrong key or position would rarely change a token, but always the logits)."""
@@ -73,7 +80,7 @@ def same_as_greedy(model, ids, new_tokens: int, **options) -> None:
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits), atol=1e-4, rtol=1e-4)
 
 
-# ---------------------------------------------------------------- assisted decoding
+# ---------------------------------------------------------------- with trained models
 
 
 @pytest.mark.parametrize("prompt_length", [10, 40, 100])
@@ -110,13 +117,10 @@ def test_recorded_cache_holds_the_window_plus_the_candidates(weights):
     original = modeling_lex.LexCache.crop
     modeling_lex.LexCache.crop = lambda self, n: (original(self, n), cropped.append(self.layers[0].keys.shape[2]))
     try:
-        greedy(model, markov_batch(1, 100, seed=7), 40, assistant_model=assistant)
+        greedy_tokens(model, markov_batch(1, 100, seed=7), 40, assistant_model=assistant)
     finally:
         modeling_lex.LexCache.crop = original
     assert max(sizes) <= window - 1 + candidates + 1 and max(cropped) <= window - 1
-
-
-# ---------------------------------------------------------------- prompt lookup
 
 
 def _lookup_sweep(weights, rolled_back, mode: str, window: int, lookups: list[int], lengths: list[int]) -> None:
@@ -163,43 +167,73 @@ def test_crop_refuses_what_it_cannot_restore(weights):
         cache.crop(-5)
 
 
-# ---------------------------------------------------------------- compiled decoding with the static cache
+# ---------------------------------------------------------------- with random weights, and with sinks
 
 
-@pytest.mark.parametrize("sinks", [0, pytest.param(2, marks=pytest.mark.slow)])
-def test_compiled_static_cache_reads_a_padded_batch_past_the_window(sinks):
-    """Prompts of 100 and 60 tokens, left-padded, window 16: the compiled (fullgraph) prefill and decoding give
-    eager's tokens, and a second generate() of the same shapes compiles no new graph (with sink slots too)."""
-    torch._dynamo.reset()
-    counters.clear()
-    model = build(trained_model(tiny_config(max_position_embeddings=16, num_hidden_layers=1), steps=20).state_dict(),
-                  num_hidden_layers=1, attention_mode="blockwise", attention_window=16, attention_sinks=sinks)
-    _, ids, mask = left_padded([100, 60])
-    options = dict(attention_mask=mask, cache_implementation="static")
-    eager = greedy(model, ids, 20, **options)
-    assert torch.equal(eager, greedy(model, ids, 20, attention_mask=mask))
-    model.forward = torch.compile(model.forward, backend="eager", fullgraph=True)
-    first = greedy(model, ids, 20, **options)
-    graphs = counters["stats"]["unique_graphs"]
-    second = greedy(model, ids, 20, **options)
-    assert 0 < graphs == counters["stats"]["unique_graphs"]
-    assert torch.equal(first, eager) and torch.equal(second, eager)
-    torch._dynamo.reset()
+@pytest.mark.parametrize("mode", ["blockwise", "sliding", "full"])
+def test_assisted_and_prompt_lookup_decoding_equal_greedy(mode):
+    """generate() rolls the cache back over rejected candidates: the tokens and logits of plain greedy search,
+    with an assistant model (the same model and a different one) and with prompt lookup, across several
+    blocks; between forwards the cache holds at most w - 1 plus the tokens of the last forward."""
+    model = perturbed_model(tiny_config(attention_mode=mode))
+    other = perturbed_model(tiny_config(attention_mode=mode), seed=5)
+    for assistant in (model, other):
+        assistant.generation_config.num_assistant_tokens = 4
+        assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    ids = torch.cat([prompt(1, 12, seed=3)] * 3, dim=1)  # repeats, so prompt lookup finds candidates
+    expected = greedy(model, ids, max_new_tokens=3 * W)
+    cache = LexCache(model.config)
+    sizes = []
+    hook = model.model.register_forward_hook(
+        lambda module, args, output: sizes.append(max(layer.keys.shape[2] for layer in cache.layers))
+    )
+    runs = {
+        "other assistant": dict(assistant_model=other, past_key_values=cache),
+        "same model as assistant": dict(assistant_model=model),
+        "prompt lookup": dict(prompt_lookup_num_tokens=4),
+    }
+    for name, options in runs.items():
+        out = greedy(model, ids, max_new_tokens=3 * W, **options)
+        hook.remove()
+        assert torch.equal(out.sequences, expected.sequences), name
+        torch.testing.assert_close(torch.stack(out.logits), torch.stack(expected.logits), atol=1e-4, rtol=1e-4)
+    if mode != "full":
+        prefill = -(-ids.shape[1] // W)  # forwards of w prompt tokens: w - 1 + w at most while recording
+        assert max(sizes[:prefill]) <= 2 * W - 1
+        assert max(sizes[prefill:]) <= W - 1 + 4 + 1  # then 4 candidates and the token before them  # sizes[0]: the prompt, read before recording starts
+        assert cache.held <= W - 1  # the last crop shrank it back
 
 
-def test_a_shorter_compiled_generation_reuses_the_static_shapes():
-    """Prompt 7 and window 64: the static cache holds min(w - 1 + S, max_cache_len) slots, so a second generate()
-    with fewer new tokens would shrink it and recompile; sized for the largest length asked so far (as
-    transformers' static caches are), it compiles no new graph and gives eager's tokens."""
-    torch._dynamo.reset()
-    counters.clear()
-    model = build(trained_model(tiny_config(max_position_embeddings=16, num_hidden_layers=1), steps=20).state_dict(),
-                  num_hidden_layers=1, attention_mode="sliding", attention_window=64)
-    ids = markov_batch(2, 7, seed=5)
-    eager = greedy(model, ids, 2, cache_implementation="static")
-    model.forward = torch.compile(model.forward, backend="eager", fullgraph=True)
-    greedy(model, ids, 5, cache_implementation="static")
-    graphs = counters["stats"]["unique_graphs"]
-    assert torch.equal(greedy(model, ids, 2, cache_implementation="static"), eager)
-    assert 0 < graphs == counters["stats"]["unique_graphs"]
-    torch._dynamo.reset()
+def test_crop_rolls_back_exactly():
+    """crop(-n) after a recorded forward gives the cache of a stream that never had those n tokens."""
+    model = perturbed_model(tiny_config())
+    ids = prompt(1, 2 * W + 3)
+    recorded, plain = LexCache(model.config), LexCache(model.config)
+    recorded.activate_past_recording()
+    with torch.no_grad():
+        model(ids[:, : 2 * W - 4], past_key_values=recorded)
+        model(ids[:, 2 * W - 4 :], past_key_values=recorded)  # 7 tokens, 5 of them rejected below
+        model(ids[:, : 2 * W - 2], past_key_values=plain)
+        recorded.crop(-5)
+        assert recorded.seen == plain.seen and recorded.held == plain.held
+        assert torch.equal(recorded.stream.positions, plain.stream.positions) and torch.equal(recorded.stream.index, plain.stream.index)
+        following = prompt(1, 4, seed=9)
+        torch.testing.assert_close(model(following, past_key_values=recorded).logits,
+                                   model(following, past_key_values=plain).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rule", SINK_POSITIONS)
+def test_assisted_and_prompt_lookup_decoding_with_sinks_equal_greedy(rule):
+    """Rollback with sink slots: a smaller assistant and prompt lookup give greedy's tokens and logits."""
+    model = perturbed_model(tiny_config(attention_mode="sliding", attention_sinks=S, attention_sink_positions=rule))
+    assistant = perturbed_model(tiny_config(attention_mode="blockwise", attention_window=8, attention_sinks=2,
+                                            num_hidden_layers=1), seed=3)
+    assistant.generation_config.num_assistant_tokens = 4
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    assistant.generation_config.assistant_confidence_threshold = 0.0
+    ids = torch.cat([prompt(1, 12, seed=3)] * 4, dim=1)  # repeats, so that prompt lookup finds candidates
+    expected = greedy(model, ids, max_new_tokens=3 * W)
+    for options in (dict(assistant_model=assistant), dict(prompt_lookup_num_tokens=5)):
+        out = greedy(model, ids, max_new_tokens=3 * W, **options)
+        assert torch.equal(out.sequences, expected.sequences)
+        torch.testing.assert_close(torch.stack(out.logits), torch.stack(expected.logits), atol=1e-4, rtol=1e-4)
