@@ -316,7 +316,7 @@ def to_lex_state(source: Source, config) -> tuple[dict, list[str]]:
     return mapped, unexpected
 
 
-def check_state(model, mapped: dict, unexpected: list[str], source: Source) -> None:
+def check_checkpoint_tensors(model, mapped: dict, unexpected: list[str], source: Source) -> None:
     """Every key the model needs, nothing else, every shape right; the report uses the checkpoint's names."""
     expected = model.state_dict()
     if model.config.tie_word_embeddings:
@@ -363,7 +363,7 @@ def convert_from_torchscale(
                                   f"{config.vocab_size}")
         mapped, unexpected = to_lex_state(source, config)
         model = LexForCausalLM(config)
-        check_state(model, mapped, unexpected, source)
+        check_checkpoint_tensors(model, mapped, unexpected, source)
         model.load_state_dict(mapped, strict=False)
         model.to(getattr(torch, dtype) if dtype else mapped["model.embed_tokens.weight"].dtype)
         model.save_pretrained(staging)

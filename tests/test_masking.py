@@ -11,7 +11,7 @@ from modeling_lex.visibility import chunk_map, seen_as_sink, window_visible
 from tests.helpers import tiny_config
 
 
-def visible(config, q_index: torch.Tensor, k_index: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+def seen_at_all(config, q_index: torch.Tensor, k_index: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
     """Whether the query sees the key at all: through its window, or as one of its document's sinks."""
     return window_visible(config, q_index, k_index, start) | seen_as_sink(config, q_index, k_index, start)
 
@@ -20,7 +20,7 @@ def visible(config, q_index: torch.Tensor, k_index: torch.Tensor, start: torch.T
 @pytest.mark.parametrize("mode", ["blockwise", "sliding"])
 def test_each_chunk_holds_exactly_the_keys_visible_allows(mode, sinks):
     """Packed documents and left padding, a cache holding a past, a forward of several chunks: for every query the
-    keys its chunk shows unmasked are exactly those `visible` allows, each once (sink columns included)."""
+    keys its chunk shows unmasked are exactly those `seen_at_all` allows, each once (sink columns included)."""
     config = tiny_config(attention_mode=mode, attention_sinks=sinks)
     history = Stream(config)
     history.step(None, torch.ones(2, 21, dtype=torch.bool), False)  # a cached past of 21 tokens
@@ -45,7 +45,7 @@ def test_each_chunk_holds_exactly_the_keys_visible_allows(mode, sinks):
                 shown = [int(index_of_column[row, c]) for c, ok in zip(columns[row, chunk], mask) if ok]
                 start = ctx.document_start[row, query]
                 expected = [k for k in range(q_index + 1)
-                            if real[row, k] and visible(config, torch.tensor(q_index), torch.tensor(k), start)]
+                            if real[row, k] and seen_at_all(config, torch.tensor(q_index), torch.tensor(k), start)]
                 if not valid[row, query]:
                     expected = [q_index]  # a padding query sees only itself
                 assert sorted(shown) == expected, (row, q_index)

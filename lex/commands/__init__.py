@@ -197,6 +197,14 @@ def comma_list(allowed: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
     return parse
 
 
+def require_device(parser: argparse.ArgumentParser, device: str) -> None:
+    """A bad command line unless `device` can be used here (a CUDA device asked for where none is)."""
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"{parser.flag('device')} {device}: no CUDA device is available")
+
+
 def positive_int(text: str) -> int:
     """An argparse type: an integer >= 1."""
     try:

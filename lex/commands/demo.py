@@ -3,11 +3,10 @@
 import argparse
 from pathlib import Path
 
-import torch
 from transformers.utils import logging as hf_logging
 
 from lex import study
-from lex.commands import LexArgumentParser, comma_list, positive_float, positive_int
+from lex.commands import LexArgumentParser, comma_list, positive_float, positive_int, require_device
 
 
 def build_parser() -> LexArgumentParser:
@@ -32,8 +31,7 @@ def build_parser() -> LexArgumentParser:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error(f"{parser.flag('device')} {args.device}: no CUDA device is available")
+    require_device(parser, args.device)
     if args.training_length is not None and (args.training_length < 8 or args.training_length % 4):
         parser.error(f"{parser.flag('training_length')} {args.training_length}: must be a multiple of 4 and >= 8 "
                      "(the study evaluates at l/4 and attends in blocks of l/2)")

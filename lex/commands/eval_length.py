@@ -17,7 +17,9 @@ import torch
 
 from configuration_lex import ATTENTION_MODES
 from convert.hf import SOURCE_TYPES, lex_from_hf
-from lex.commands import LexArgumentParser, comma_list, non_negative_ints, positive_int, positive_ints
+from lex.commands import (
+    LexArgumentParser, comma_list, non_negative_ints, positive_int, positive_ints, require_device,
+)
 from lex.data import DataError, evaluation_texts, tokenized_documents
 from lex.models import attention_modes, attention_variants, load_tokenizer, model_config
 from lex.passkey import passkey_rows
@@ -55,8 +57,7 @@ def build_parser() -> LexArgumentParser:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error(f"{parser.flag('device')} {args.device}: no CUDA device is available")
+    require_device(parser, args.device)
     if args.output_dir.exists() and not args.output_dir.is_dir():
         parser.error(f"{parser.flag('output_dir')} {args.output_dir}: a file, not a folder")
     return args
