@@ -163,7 +163,7 @@ class LexDecoderLayer(GradientCheckpointingLayer):
         out = sublayer(norm(x) if self.normalize_before else x, **kwargs)
         if isinstance(out, tuple):
             out = out[0]
-        out = x * self.alpha + self.dropout(out)
+        out = (x if self.alpha == 1.0 else x * self.alpha) + self.dropout(out)  # no full-size multiply by 1
         return out if self.normalize_before else norm(out)
 
     def forward(
