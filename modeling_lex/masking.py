@@ -75,7 +75,7 @@ def read_stream(
         mask = attention_mask.to(device=device, dtype=torch.bool)
     else:
         mask = torch.ones(batch, length, dtype=torch.bool, device=device)
-    caller_plain = attention_mask is None and position_ids is None
+    caller_plain = _plain_input(mask if attention_mask is not None else None, position_ids, length, compiling)
     if lex_cache:
         return cache.stream.step(position_ids, mask[:, -length:], caller_plain)
     # A stream for this forward: the past a foreign cache holds (contiguous, real unless the mask says padding),
@@ -88,6 +88,20 @@ def read_stream(
         past_valid = mask[:, :seen] if mask.shape[1] == seen + length else mask.new_ones(batch, seen)
         stream.step(first.to(device) - seen + torch.arange(seen, device=device), past_valid, False)
     return stream.step(position_ids, mask[:, -length:], caller_plain and seen == 0)
+
+
+def _plain_input(mask: torch.Tensor | None, position_ids: torch.Tensor | None, length: int, compiling: bool) -> bool:
+    """Whether the caller's mask and position ids say no more than their absence would: no padding, and positions
+    counting from 0. generate() passes both on every forward; read on the host as Llama's mask creation reads its
+    padding mask (`_ignore_causal_mask_sdpa`), so that a plain prompt runs plain causal attention (SDPA's causal
+    kernel with grouped key/value heads, no mask). Compiled: only their absence counts (no host read)."""
+    if compiling:
+        return mask is None and position_ids is None
+    if mask is not None and not bool(mask.all()):
+        return False
+    if position_ids is None:
+        return True
+    return bool((position_ids == torch.arange(length, device=position_ids.device)).all())
 
 
 def _custom_mask_step(
@@ -140,6 +154,9 @@ class Tile:
     # `n_sinks` key columns are met by a second copy of each query, encoded in the sink frame by these factors.
     sink_query_factors: tuple[torch.Tensor, torch.Tensor] | None = None
     n_sinks: int = 0
+    # A dense tile of one query per row (a decoding step) under per-token RoPE: the sink keys are rotated back by
+    # the query's shift instead (R(a)q . k = q . R(-a)k), so no second copy of the query is needed.
+    sink_key_factors: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -263,12 +280,15 @@ def _dense_tile(
     q_rel = ctx.query_positions[:, queries] - anchor
     k_rel = torch.where(k_valid, k_positions, anchor) - anchor  # padding and empty slots: at 0
     factors, bias, distance = _terms(position_method, q_rel, k_rel)
-    sink_query_factors = None
+    sink_query_factors = sink_key_factors = None
     frame = sink_frame(config, ctx.query_index[queries][None], ctx.document_start[:, queries]) if n_sinks else None
     if frame is not None:
         factors, bias, distance, sink_query_factors = _sink_frame_terms(
             position_method, (factors, bias, distance), frame, ctx.query_positions[:, queries], sink_positions)
-        if sink_query_factors is not None:
+        if sink_query_factors is not None and position_method.per_token and queries.stop - queries.start == 1:
+            cos, sin = sink_query_factors  # (B, 1, d): the inverse rotation of a pure rotation negates its sin
+            sink_key_factors, sink_query_factors = (cos.unsqueeze(1), -sin.unsqueeze(1)), None
+        elif sink_query_factors is not None:
             sink_query_factors = tuple(f.unsqueeze(1) for f in sink_query_factors)
     if factors is not None:
         factors = tuple(f.unsqueeze(1) for f in factors)  # broadcast over heads
@@ -278,8 +298,18 @@ def _dense_tile(
         allowed = allowed_keys(config, ctx.query_index[queries][None, :, None], k_index[:, None, :],
                                k_valid[:, None, :],
                         ctx.document_start[:, queries, None], n_sinks, allowed_4d).unsqueeze(1)
+        if _sees_every_key(allowed):
+            allowed = None
     return Tile(factors, additive_mask(allowed, bias, dtype), distance, query_slice=queries, key_slice=keys,
-                sink_columns=sink_columns, sink_query_factors=sink_query_factors, n_sinks=n_sinks)
+                sink_columns=sink_columns, sink_query_factors=sink_query_factors, n_sinks=n_sinks,
+                sink_key_factors=sink_key_factors)
+
+
+def _sees_every_key(allowed: torch.Tensor) -> bool:
+    """A single query per row that sees every key the tile gives it (a decoding step whose cache holds exactly
+    its window): attention without a mask computes the same. Read on the host, not while compiling (a compiled
+    step keeps one graph with its mask)."""
+    return allowed.shape[-2] == 1 and not torch.compiler.is_compiling() and bool(allowed.all())
 
 
 def _chunked_tile(

@@ -197,11 +197,10 @@ class Stream:
             sink_positions=self.sink_positions[:, : self.sink_slots],
             sink_valid=self.sink_valid[:, : self.sink_slots],
         )
-        compiling = torch.compiler.is_compiling()
         nothing_held = self.held == 0 and not self.static
         plain = caller_plain and nothing_held
-        if compiling:
-            aligned = plain
+        if torch.compiler.is_compiling() or length <= self.config.attention_window:
+            aligned = plain  # read by chunked tiles alone (more than w new tokens): no host read otherwise
         else:
             first = document_start[:, :1]
             block = self.config.bca_block_length

@@ -31,10 +31,11 @@ def rotary_factors(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-position factors (cos, sin), each `relative_positions.shape + (head_dim,)`, float32.
 
-    x at relative position p becomes x*cos + rotate_every_two(x)*sin: a rotation by p*theta_i (none when
+    x at relative position p becomes a rotation of each interleaved pair by p*theta_i (none when
     `inverse_frequencies` is None) scaled by exp(p * log_decay_i) (xPos: log(zeta_i)/B for queries, minus that for
-    keys; none when None) and by `scale` (yarn's attention factor). Angles and powers are taken in float64 from
-    integer positions, so the scale folded in costs nothing when applying them.
+    keys; none when None) and by `scale` (yarn's attention factor): `apply_rotary`. `sin` carries the rotation's
+    sign per pair (-sin, +sin), so applying it swaps each pair once instead of negating and restacking it. Angles
+    and powers are taken in float64 from integer positions, so the scale folded in costs nothing when applying them.
     """
     device = relative_positions.device
     positions = relative_positions.to(torch.float64)[..., None]
@@ -46,19 +47,20 @@ def rotary_factors(
         cos = torch.ones(positions.shape[:-1] + reference.shape, dtype=torch.float64, device=device)
         sin = torch.zeros_like(cos)
     factor = (positions * log_decay.to(device)).exp() * scale if log_decay is not None else scale
-    return tuple((f * factor).to(torch.float32).repeat_interleave(2, dim=-1) for f in (cos, sin))
+    cos, sin = ((f * factor).to(torch.float32) for f in (cos, sin))
+    return cos.repeat_interleave(2, dim=-1), torch.stack((-sin, sin), dim=-1).flatten(-2)
 
 
-def rotate_every_two(x: torch.Tensor) -> torch.Tensor:
-    """(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...): the interleaved pair rotation of TorchScale."""
-    pairs = x.unflatten(-1, (-1, 2))
-    return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+def swap_pairs(x: torch.Tensor) -> torch.Tensor:
+    """(x0, x1, x2, x3, ...) -> (x1, x0, x3, x2, ...): with the signed sin of `rotary_factors`, TorchScale's
+    interleaved pair rotation (`rotate_every_two`: -x1, x0, -x3, x2, ...)."""
+    return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate (and scale) x with factors from `rotary_factors`; the product is taken in float32."""
-    out = x.float() * cos + rotate_every_two(x.float()) * sin
-    return out.to(x.dtype)
+    x32 = x.float()
+    return (x32 * cos + swap_pairs(x32) * sin).to(x.dtype)
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:

@@ -402,6 +402,84 @@ def test_sdpa_serves_query_groups_without_copying_keys(monkeypatch):
     assert calls == []
 
 
+@pytest.mark.parametrize("mode", ["full", "sliding", "blockwise"])
+def test_generate_runs_plain_attention_where_nothing_is_hidden(monkeypatch, mode):
+    """generate() passes an all-ones mask and position ids counting from 0 on every forward; they say no more than
+    their absence, so the prompt runs SDPA's causal kernel without a mask (as Llama's does), and every decoding step
+    whose cache holds exactly its window runs without one. A left-padded batch keeps its masks, and both equal
+    the no-cache forward."""
+    calls = []
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def recorded(query, key, value, attn_mask=None, **kwargs):
+        calls.append((query.shape[2], attn_mask is None, kwargs.get("is_causal", False)))
+        return original(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
+    model = perturbed_model(tiny_config(attention_mode=mode, num_attention_heads=4, num_key_value_heads=2))
+    model.set_attn_implementation("sdpa")
+    layers = model.config.num_hidden_layers
+    ids = prompt(1, W)  # one window: the prompt is one plain causal forward in every mode
+    out = greedy(model, ids, max_new_tokens=2 * W)
+    prefill, steps = calls[:layers], calls[layers:]
+    assert prefill == [(W, True, True)] * layers
+    assert len(steps) == (2 * W - 1) * layers and all(length == 1 and no_mask for length, no_mask, _ in steps)
+    with torch.no_grad():
+        expected = model(out.sequences).logits[:, W - 1 : -1]
+    torch.testing.assert_close(torch.stack(out.logits, dim=1), expected, atol=1e-5, rtol=1e-5)
+
+    calls.clear()
+    _, padded, mask = left_padded([W, W - 5])
+    out = greedy(model, padded, attention_mask=mask, max_new_tokens=4)
+    assert not any(no_mask for _, no_mask, _ in calls[:layers])
+    full_mask = torch.cat([mask, torch.ones(2, 4, dtype=mask.dtype)], dim=1)
+    with torch.no_grad():
+        expected = model(out.sequences, attention_mask=full_mask).logits[:, W - 1 : -1]
+    for row, pad in enumerate([0, 5]):
+        torch.testing.assert_close(torch.stack(out.logits, dim=1)[row], expected[row], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["full", "sliding", "blockwise"])
+def test_a_decoding_step_writes_its_keys_in_place(mode):
+    """LexCache's layers hold their keys in buffers with room to grow: a decoding step writes its key after the held
+    ones instead of copying them all (DynamicLayer's torch.cat), so over 3 windows of steps a layer's storage is
+    replaced a handful of times (growth, or moving the window to the front), not at every step; the logits stay
+    those of the no-cache forward."""
+    model = perturbed_model(tiny_config(attention_mode=mode, attention_sinks=2 if mode != "full" else 0))
+    ids = prompt(1, 3 * W + 5)
+    cache = LexCache(model.config)
+    storages, logits = set(), []
+    with torch.no_grad():
+        logits.append(model(ids[:, :5], **{CACHE_NAME: cache}).logits)
+        for step in range(5, ids.shape[1]):
+            logits.append(model(ids[:, step : step + 1], **{CACHE_NAME: cache}).logits)
+            storages.add(cache.layers[0].keys.untyped_storage().data_ptr())
+        expected = model(ids).logits
+    assert len(storages) <= 3
+    torch.testing.assert_close(torch.cat(logits, dim=1), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["full", "sliding"])
+def test_a_cache_under_autograd_gives_the_no_cache_gradients(mode):
+    """Read in two forwards through a LexCache with gradients on, the keys are concatenated, never written in
+    place: backward runs and gives the gradients of one no-cache forward."""
+    config = tiny_config(attention_mode=mode, attention_sinks=2 if mode != "full" else 0)
+    ids = prompt(1, 2 * W + 3)
+    grads = []
+    for cached in (True, False):
+        model = perturbed_model(config)
+        if cached:
+            cache = LexCache(config)
+            first = model(ids[:, :W + 2], **{CACHE_NAME: cache}).logits
+            second = model(ids[:, W + 2 :], **{CACHE_NAME: cache}).logits
+            logits = torch.cat([first, second], dim=1)
+        else:
+            logits = model(ids).logits
+        logits.square().mean().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-4)
+
+
 # ---------------------------------------------------------------- a Llama checkpoint
 
 

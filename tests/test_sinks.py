@@ -195,3 +195,29 @@ def test_the_two_rules_differ_only_once_a_sink_leaves_the_window():
         a, b = true(ids).logits, cache(ids).logits
     torch.testing.assert_close(a[:, :W], b[:, :W])
     assert (a[:, W + 1 :] - b[:, W + 1 :]).abs().amax(-1).min() > 1e-4  # every query past the window differs
+
+
+@pytest.mark.parametrize("mode", ["blockwise", "sliding"])
+def test_sinks_in_their_frame_keep_sdpa_on_its_fused_kernel(monkeypatch, mode):
+    """A converted Llama reads past its window with sinks in the cache's frame through SDPA: a tile of several
+    queries meets the sinks with a second copy of each query, so its values are padded to the same width (with
+    a narrower value SDPA falls back to its unfused math path), and a decoding step rotates its sink keys instead
+    (no second copy). Each equals transformers' Llama under the reference attention (test above)."""
+    widths = []
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def recorded(query, key, value, **kwargs):
+        widths.append((query.shape[2], query.shape[-1], key.shape[-1], value.shape[-1]))
+        return original(query, key, value, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
+    lex = lex_from_hf(tiny_llama(), mode, W, S).eval()
+    lex.set_attn_implementation("sdpa")
+    head = lex.config.head_dim
+    out = greedy(lex, prompt(1, 3 * W + 5), max_new_tokens=W)
+    assert all(q == k == v for _, q, k, v in widths)
+    assert {q for length, q, _, _ in widths if length > 1} == {head, 2 * head}  # the prompt: plain, then in frame
+    assert {q for length, q, _, _ in widths if length == 1} == {head}  # decoding steps: one copy of the query
+    with torch.no_grad():
+        expected = lex(out.sequences).logits[:, 3 * W + 4 : -1]
+    torch.testing.assert_close(torch.stack(out.logits, dim=1), expected, atol=1e-4, rtol=1e-4)
