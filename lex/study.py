@@ -185,13 +185,13 @@ def evaluate_with_progress(folder: Path, name: str, texts: list[str], lengths: l
     rows, passkey = [], []
     with tqdm(total=len(reading_pairs(name)) * len(PROTOCOLS) * len(lengths), desc=f"evaluate {name}",
               unit="length", dynamic_ncols=True) as bar:
-        for mode, s, model in attention_variants(str(folder), list(modes), list(sinks), device):
-            labels = {"model": name, "attention_mode": mode, "attention_sinks": s}
+        for reading, model in attention_variants(str(folder), list(modes), list(sinks), device):
+            labels = {"model": name, **reading}
             for protocol, scored in score_rows(model, documents, lengths, PROTOCOLS, labels=labels):
                 bar.set_postfix(attention=attention_label(labels), protocol=protocol)
                 bar.update(len(lengths))
                 rows += scored
-            passkey += passkey_rows(model, tokenizer, name, attention_mode=mode, attention_sinks=s)
+            passkey += passkey_rows(model, tokenizer, name, **reading)
     return rows, passkey
 
 

@@ -213,6 +213,17 @@ def test_both_flag_spellings(llama_folder, tmp_path):
     assert [(c.attention_mode, c.attention_window) for c in configs] == [("sliding", 8)] * 2
 
 
+def test_sink_position_rule_by_flag(llama_folder, tmp_path):
+    """A converted checkpoint sees its sinks within the cache unless --attention_sink_positions says true."""
+    rules = []
+    for flags in ([], ["--attention_sink_positions", "true"], ["--attention-sink-positions", "cache"]):
+        out = tmp_path / f"out{len(rules)}"
+        assert lex(["convert-hf", str(llama_folder), str(out), "--attention_mode", "sliding", "--attention_window", "8",
+                    "--attention_sinks", "4", *flags]) == 0
+        rules.append(LexConfig.from_pretrained(out).attention_sink_positions)
+    assert rules == ["cache", "true", "cache"]
+
+
 def test_existing_output_is_refused_without_force(llama_folder, tmp_path, capsys):
     out = tmp_path / "lex"
     out.mkdir()

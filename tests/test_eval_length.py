@@ -319,6 +319,25 @@ def test_eval_length_on_a_llama_folder_reads_every_mode_with_and_without_sinks(l
     assert len(resolution_row["resolution_per_layer"]) == 2  # q k^T over 4 query heads and 2 KV heads
 
 
+def test_eval_length_reads_sinks_by_both_position_rules(llama_folder, texts, tmp_path, capsys):
+    """--attention_sink_positions cache,true: each reading with sinks once per rule, labelled with it; the cache rule
+    equals transformers' Llama under the naive window attention with its sinks placed within the cache, the true
+    rule the same Llama under the window's explicit 4D mask with its sinks visible (true distances)."""
+    out = tmp_path / "eval"
+    assert lex(["eval-length", str(llama_folder), "--files", documents_glob(tmp_path / "docs", texts), "--lengths", "48",
+                "--attention_modes", "sliding", "--attention_sinks", "0,4", "--attention_window", "8",
+                "--attention_sink_positions", "cache,true", "--protocols", "strided", "--output_dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| sliding + 4 sinks (cache positions) |" in printed and "| sliding + 4 sinks (true positions) |" in printed
+    rows = json.loads((out / "results.json").read_text())
+    ppl = {(r["attention_sinks"], r.get("attention_sink_positions")): r["ppl"] for r in rows}
+    assert set(ppl) == {(0, None), (4, "cache"), (4, "true")}
+    assert ppl[4, "cache"] == pytest.approx(masked_nll(llama_folder, texts, 48, None, ("sliding", 8, 4)), rel=1e-5)
+    assert ppl[4, "true"] == pytest.approx(masked_nll(llama_folder, texts, 48, window_mask("sliding", 48, 8, 4)),
+                                           rel=1e-5)
+    assert "attention_sink_positions" in (out / "results.csv").read_text().splitlines()[0]
+
+
 def test_eval_length_scores_a_gpt2_folder_as_published_and_says_which_modes_do_not_apply(tokenizer, texts, tmp_path,
                                                                                           capsys):
     from transformers import GPT2Config, GPT2LMHeadModel

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from configuration_lex import ATTENTION_MODES
+from configuration_lex import ATTENTION_MODES, SINK_POSITIONS
 from convert import hf
 from lex.commands import LexArgumentParser, positive_int
 from lex.models import DTYPES
@@ -19,6 +19,9 @@ def convert_hf_parser() -> LexArgumentParser:
                         help="w (even, >= 4); default: the source's sliding window, else max_position_embeddings")
     parser.add_argument("--attention_sinks", type=int, default=0,
                         help="S: the first S tokens of each document stay visible in blockwise and sliding modes")
+    parser.add_argument("--attention_sink_positions", choices=SINK_POSITIONS, default="cache",
+                        help="where a query sees its sinks from: within the cache (StreamingLLM's rule, the "
+                             "default) or at their true positions")
     parser.add_argument("--dtype", choices=DTYPES, help="weights dtype (default: the source's)")
     parser.add_argument("--force", action="store_true", help="replace an existing OUT")
     return parser
@@ -30,11 +33,13 @@ def main_convert_hf(argv: list[str] | None = None) -> int:
     if args.attention_sinks < 0:
         parser.error(f"{parser.flag('attention_sinks')} must be >= 0, got {args.attention_sinks}")
     config = hf.convert_hf(args.src, args.out, args.attention_mode, args.attention_window, args.dtype, args.force,
-                           attention_sinks=args.attention_sinks)
+                           attention_sinks=args.attention_sinks,
+                           attention_sink_positions=args.attention_sink_positions)
     print(f"{args.src} -> {args.out}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
           f"{config.num_attention_heads} heads / {config.num_key_value_heads} key-value heads, rope "
           f"{config.rope_parameters['rope_type']}, {config.attention_mode} attention (window "
-          f"{config.attention_window}, {config.attention_sinks} sinks)")
+          f"{config.attention_window}, {config.attention_sinks} sinks at {config.attention_sink_positions} "
+          "positions)")
     return 0
 
 

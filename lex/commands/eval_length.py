@@ -1,9 +1,10 @@
 """`lex eval-length MODEL... --files GLOB --lengths 256,512 --attention_modes full,blockwise --attention_sinks 0,4
---output_dir DIR`
+[--attention_sink_positions cache,true] --output_dir DIR`
 
 Perplexity by evaluation length (lex.perplexity: the paper's "segments" protocol and a "strided" one) for LEX
 folders and Llama, Mistral or Qwen2 folders or .gguf files (full attention as published; the other modes
-converted in memory) in every attention mode with each number of attention sinks, and for any other causal LM as
+converted in memory) in every attention mode with each number of attention sinks (and each sink position rule
+asked for), and for any other causal LM as
 published. Prints the tables and writes results.csv, results.json and ppl_vs_length.png; with --resolution the
 attention resolution per layer (resolution.json, resolution.png), with --passkey the passkey probe for every mode
 (passkey.json).
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from configuration_lex import ATTENTION_MODES
+from configuration_lex import ATTENTION_MODES, SINK_POSITIONS
 from convert.hf import SOURCE_TYPES, lex_from_hf
 from lex.commands import (
     LexArgumentParser, comma_list, non_negative_ints, positive_int, positive_ints, require_device,
@@ -41,6 +42,10 @@ def build_parser() -> LexArgumentParser:
                         help=f"comma-separated: {','.join(ATTENTION_MODES)}")
     parser.add_argument("--attention_sinks", default=(0,), type=non_negative_ints,
                         help="comma-separated numbers of attention sinks for blockwise and sliding modes, e.g. 0,4")
+    parser.add_argument("--attention_sink_positions", type=comma_list(SINK_POSITIONS),
+                        help="comma-separated rules for readings with sinks: where a query sees its sinks from, "
+                             f"{' or '.join(SINK_POSITIONS)} (default: each model's own; a converted checkpoint's: "
+                             "cache)")
     parser.add_argument("--attention_window", type=positive_int,
                         help="the window of blockwise and sliding modes (default: the model's; a converted "
                              "checkpoint's, its training length)")
@@ -79,9 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         if notes[path]:
             print(f"{name}: {notes[path]}")
         documents = tokenized_documents(tokenizer, texts)
-        for mode, sinks, model in attention_variants(path, list(args.attention_modes), list(args.attention_sinks),
-                                                     args.device, attention_window=args.attention_window):
-            labels = dict(attention_mode=mode, attention_sinks=sinks)
+        for labels, model in attention_variants(path, list(args.attention_modes), list(args.attention_sinks),
+                                                args.device, attention_window=args.attention_window,
+                                                sink_positions=args.attention_sink_positions):
             for _, scored in score_rows(model, documents, args.lengths, args.protocols, args.batch_size, True,
                                         {"model": name, **labels}):
                 rows += scored

@@ -4,7 +4,7 @@ generate() reads the prompt window by window (a progress bar counts it), then st
 stdout. In blockwise and sliding modes memory stays O(window + sinks) however long the prompt is. MODEL is a LEX
 folder, or a Llama, Mistral or Qwen2 folder or .gguf file (dequantized, with its tokenizer): as published by
 default (its own cache, which grows with the document), converted in memory to a LEX model by --attention_mode /
---attention_window / --attention_sinks.
+--attention_window / --attention_sinks (/ --attention_sink_positions).
 """
 
 import argparse
@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import TextStreamer
 
-from configuration_lex import ATTENTION_MODES
+from configuration_lex import ATTENTION_MODES, SINK_POSITIONS
 from convert.hf import SOURCE_TYPES
 from lex.commands import LexArgumentParser, positive_int
 from lex.data import DataError, check_text_file
@@ -43,6 +43,9 @@ def build_parser() -> LexArgumentParser:
                         help="override the window of blockwise and sliding modes (even, >= 4)")
     parser.add_argument("--attention_sinks", type=int,
                         help="the first N tokens stay visible to every later token in blockwise and sliding modes")
+    parser.add_argument("--attention_sink_positions", choices=SINK_POSITIONS,
+                        help="where a query sees its sinks from: within the cache (a converted checkpoint's default)"
+                             " or at their true positions")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--no_progress", action="store_true", help="no progress bar while reading the prompt")
@@ -100,14 +103,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     model = load_model(args.model, args.attention_mode, args.device, args.dtype, args.attention_window,
-                       args.attention_sinks)
+                       args.attention_sinks, args.attention_sink_positions)
     tokenizer = load_tokenizer(args.model)
     input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(args.device)
     if input_ids.shape[1] == 0:
         raise DataError(f"{args.prompt_file} holds no tokens of the model's tokenizer")
     config = model.config
     if config.model_type == "lex":
-        sinks = f", {config.attention_sinks} attention sinks" if config.attention_mode != "full" else ""
+        sinks = (f", {config.attention_sinks} attention sinks at {config.attention_sink_positions} positions"
+                 if config.attention_mode != "full" and config.attention_sinks else "")
         reading = f"{config.attention_mode} attention, window {config.attention_window}{sinks}"
     else:
         reading = (f"{config.model_type} as published (its cache grows with the document; --attention_mode "
