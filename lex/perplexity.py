@@ -102,9 +102,10 @@ def windows(document: torch.Tensor, length: int, protocol: Protocol) -> list[tup
 
 def perplexity_by_length(
     model, documents: list[torch.Tensor], lengths: list[int], protocol: Protocol, batch_size: int = 8,
-    progress: bool = False,
+    progress: bool = False, document_tokens: int | None = None,
 ) -> dict[int, Score]:
-    """Score every length on the same tokens: each document's first max(lengths) tokens.
+    """Score every length on the same tokens: each document's first `document_tokens` tokens (default: the
+    longest length; more, to compare models that cannot all read the longest length on the same tokens).
 
     Memory does not grow with the length in blockwise and sliding modes (see `_scored_states`); `progress`
     shows a bar in tokens read. A strided window as long as the document is one pass over it; windows longer
@@ -113,10 +114,13 @@ def perplexity_by_length(
     """
     if protocol not in PROTOCOLS:
         raise DataError(f"protocol={protocol!r} is not one of {list(PROTOCOLS)}")
-    budget = max(lengths)
+    budget = document_tokens or max(lengths)
+    if budget < max(lengths):
+        raise DataError(f"document_tokens={budget} is shorter than the longest length, {max(lengths)}")
     documents = [d[:budget] for d in documents if len(d) >= budget]
     if not documents:
-        raise DataError(f"no evaluation document holds {budget} tokens (the longest length asked for); "
+        what = "the tokens asked for" if document_tokens else "the longest length asked for"
+        raise DataError(f"no evaluation document holds {budget} tokens ({what}); "
                         "give shorter lengths or longer documents")
     plan = []  # (length, score_from, rows of one shape) per forward
     for length in lengths:
@@ -138,12 +142,12 @@ def perplexity_by_length(
 
 def score_rows(
     model, documents: list[torch.Tensor], lengths: list[int], protocols: tuple[Protocol, ...] = PROTOCOLS,
-    batch_size: int = 8, progress: bool = False, labels: dict | None = None,
+    batch_size: int = 8, progress: bool = False, labels: dict | None = None, document_tokens: int | None = None,
 ) -> Iterator[tuple[str, list[dict]]]:
     """(protocol, rows) of one loaded model: rows of {**labels, protocol, length, training_length, ppl, tokens}
     (labels: the model's name, attention mode and sinks)."""
     for protocol in protocols:
-        scores = perplexity_by_length(model, documents, lengths, protocol, batch_size, progress)
+        scores = perplexity_by_length(model, documents, lengths, protocol, batch_size, progress, document_tokens)
         yield protocol, [{**(labels or {}), "protocol": protocol, "length": length,
                           "training_length": model.config.max_position_embeddings, "ppl": s.ppl, "tokens": s.tokens}
                          for length, s in scores.items()]

@@ -338,6 +338,25 @@ def test_eval_length_reads_sinks_by_both_position_rules(llama_folder, texts, tmp
     assert "attention_sink_positions" in (out / "results.csv").read_text().splitlines()[0]
 
 
+def test_document_tokens_scores_shorter_lengths_on_the_tokens_of_a_longer_run(llama_folder, texts, tmp_path, capsys):
+    """--document_tokens 48 with --lengths 8,16 scores the same 48 tokens per document as --lengths 8,16,48 does,
+    so a model that cannot read the longest length is compared on the same tokens; fewer is refused by name."""
+    docs = documents_glob(tmp_path / "docs", texts)
+    rows = {}
+    for name, extra in (("all", ["--lengths", "8,16,48"]), ("short", ["--lengths", "8,16", "--document_tokens", "48"])):
+        assert lex(["eval-length", str(llama_folder), "--files", docs, "--attention_modes", "full", "--protocols",
+                    "segments", "--output_dir", str(tmp_path / name), *extra]) == 0
+        rows[name] = {r["length"]: (r["ppl"], r["tokens"]) for r in json.loads((tmp_path / name / "results.json")
+                                                                               .read_text())}
+    for length in (8, 16):
+        assert rows["short"][length][1] == rows["all"][length][1]
+        assert rows["short"][length][0] == pytest.approx(rows["all"][length][0], rel=1e-6)
+    code = lex(["eval-length", str(llama_folder), "--files", docs, "--lengths", "8,48", "--document_tokens", "16",
+                "--output_dir", str(tmp_path / "refused")])
+    assert code == 2 and "--document_tokens 16 is shorter than the longest of --lengths, 48" in capsys.readouterr().err
+    assert not (tmp_path / "refused").exists()
+
+
 def test_eval_length_scores_a_gpt2_folder_as_published_and_says_which_modes_do_not_apply(tokenizer, texts, tmp_path,
                                                                                           capsys):
     from transformers import GPT2Config, GPT2LMHeadModel

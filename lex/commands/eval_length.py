@@ -49,6 +49,9 @@ def build_parser() -> LexArgumentParser:
     parser.add_argument("--attention_window", type=positive_int,
                         help="the window of blockwise and sliding modes (default: the model's; a converted "
                              "checkpoint's, its training length)")
+    parser.add_argument("--document_tokens", type=positive_int,
+                        help="score each document's first N tokens at every length (default: the longest length); "
+                             "with more, lengths read by different runs are scored on the same tokens")
     parser.add_argument("--protocols", default=",".join(PROTOCOLS), type=comma_list(PROTOCOLS),
                         help=f"comma-separated: {','.join(PROTOCOLS)}")
     parser.add_argument("--output_dir", type=Path, required=True)
@@ -63,6 +66,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     require_device(parser, args.device)
+    if args.document_tokens is not None and args.document_tokens < max(args.lengths):
+        parser.error(f"{parser.flag('document_tokens')} {args.document_tokens} is shorter than the longest of "
+                     f"{parser.flag('lengths')}, {max(args.lengths)}")
     if args.output_dir.exists() and not args.output_dir.is_dir():
         parser.error(f"{parser.flag('output_dir')} {args.output_dir}: a file, not a folder")
     return args
@@ -88,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 args.device, attention_window=args.attention_window,
                                                 sink_positions=args.attention_sink_positions):
             for _, scored in score_rows(model, documents, args.lengths, args.protocols, args.batch_size, True,
-                                        {"model": name, **labels}):
+                                        {"model": name, **labels}, args.document_tokens):
                 rows += scored
             if args.passkey:
                 passkey += passkey_rows(model, tokenizer, name, **labels)
