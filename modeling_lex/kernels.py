@@ -56,15 +56,31 @@ def _tile_inputs(tile: Tile, sink_slots: int, query, key, value):
     if tile.query_slots is not None:
         return _chunks(query, tile.query_slots), _chunks(key, tile.key_columns), _chunks(value, tile.key_columns)
     keys = slice(sink_slots + tile.key_slice.start, sink_slots + tile.key_slice.stop)
+    if tile.sinks_in_slots:  # the sink columns are the cache's sink slots, just before its window part: no copy
+        keys = slice(0, keys.stop)
     q, k, v = query[:, :, tile.query_slice], key[:, :, keys], value[:, :, keys]
-    if tile.sink_columns is not None:
+    if tile.sink_columns is not None and not tile.sinks_in_slots:
         index = tile.sink_columns[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[3])
-        sink_keys = key.gather(2, index)
-        if tile.sink_key_factors is not None:
-            sink_keys = apply_rotary(sink_keys, *tile.sink_key_factors)
-        k = torch.cat([sink_keys, k], dim=2)
+        k = torch.cat([key.gather(2, index), k], dim=2)
         v = torch.cat([value.gather(2, index), v], dim=2)
     return q, k, v
+
+
+def _sink_rotation_bias(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, sinks: int, factors,
+                        scaling: float) -> torch.Tensor:
+    """The mask of a decoding step whose first `sinks` key columns are seen rotated by `factors`: the change the
+    rotation makes to their scores, q . (R k - k) * scaling, added to those columns (taken in float32)."""
+    batch, heads, length, width = q.shape
+    stored = k[:, :, :sinks].float()
+    change = apply_rotary(stored, *factors) - stored  # (B, Hkv, S, d)
+    grouped = q.float().reshape(batch, k.shape[1], heads // k.shape[1] * length, width)  # heads of one KV head
+    bias = (grouped @ change.transpose(-1, -2) * scaling).reshape(batch, heads, length, sinks)
+    dtype = q.dtype if mask is None else mask.dtype
+    full = torch.zeros(batch, heads, length, k.shape[2], dtype=dtype, device=q.device)
+    if mask is not None:
+        full += mask
+    full[..., :sinks] += bias.to(dtype)
+    return full
 
 
 def _attention_map(tile: Tile, sink_slots: int, weights: torch.Tensor, n_keys: int) -> torch.Tensor:
@@ -122,9 +138,12 @@ def run_attention(
             q, k = apply_rotary(given, cos_q, sin_q), apply_rotary(k, cos_k, sin_k)
         if tile.sink_query_factors is not None:
             q, k, v = _meet_sinks_in_their_frame(q, apply_rotary(given, *tile.sink_query_factors), k, v, tile.n_sinks)
+        mask = tile.mask
+        if tile.sink_key_factors is not None:
+            mask = _sink_rotation_bias(mask, q, k, tile.n_sinks, tile.sink_key_factors, module.scaling)
         bias = None if tile.distance is None else module.learned_bias(tile.distance).to(q.dtype)
         out, weights = interface(
-            module, q, k, v, tile.mask, dropout=dropout, scaling=module.scaling, position_bias=bias, is_causal=True,
+            module, q, k, v, mask, dropout=dropout, scaling=module.scaling, position_bias=bias, is_causal=True,
             **kwargs,
         )
         out = out[..., : value.shape[-1]]  # the values' own width (see _meet_sinks_in_their_frame)

@@ -201,13 +201,16 @@ def test_the_two_rules_differ_only_once_a_sink_leaves_the_window():
 def test_sinks_in_their_frame_keep_sdpa_on_its_fused_kernel(monkeypatch, mode):
     """A converted Llama reads past its window with sinks in the cache's frame through SDPA: a tile of several
     queries meets the sinks with a second copy of each query, so its values are padded to the same width (with
-    a narrower value SDPA falls back to its unfused math path), and a decoding step rotates its sink keys instead
-    (no second copy). Each equals transformers' Llama under the reference attention (test above)."""
+    a narrower value SDPA falls back to its unfused math path), and a decoding step scores its sink keys rotated
+    instead (no second copy of the query), reading them where the cache holds them once they sit in its sink slots
+    (the keys SDPA gets are a view of the cache's buffer). Each equals transformers' Llama under the reference
+    attention (test above)."""
     widths = []
     original = torch.nn.functional.scaled_dot_product_attention
 
     def recorded(query, key, value, **kwargs):
-        widths.append((query.shape[2], query.shape[-1], key.shape[-1], value.shape[-1]))
+        widths.append((key.untyped_storage().nbytes() > key.numel() * key.element_size(), query.shape[-1],
+                       key.shape[-1], value.shape[-1]))
         return original(query, key, value, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
@@ -215,9 +218,11 @@ def test_sinks_in_their_frame_keep_sdpa_on_its_fused_kernel(monkeypatch, mode):
     lex.set_attn_implementation("sdpa")
     head = lex.config.head_dim
     out = greedy(lex, prompt(1, 3 * W + 5), max_new_tokens=W)
-    assert all(q == k == v for _, q, k, v in widths)
-    assert {q for length, q, _, _ in widths if length > 1} == {head, 2 * head}  # the prompt: plain, then in frame
-    assert {q for length, q, _, _ in widths if length == 1} == {head}  # decoding steps: one copy of the query
+    read = 4 * lex.config.num_hidden_layers  # the prompt is read W tokens at a time: 4 forwards
+    assert all(q == k == v for _, q, k, v in widths) and len(widths) == read + (W - 1) * lex.config.num_hidden_layers
+    assert {q for _, q, _, _ in widths[:read]} == {head, 2 * head}  # the prompt: plain, then in the sinks' frame
+    assert {q for _, q, _, _ in widths[read:]} == {head}  # decoding steps: one copy of the query
+    assert all(in_cache for in_cache, _, _, _ in widths[-W // 2 :])  # ... and the sinks in place in the cache
     with torch.no_grad():
         expected = lex(out.sequences).logits[:, 3 * W + 4 : -1]
     torch.testing.assert_close(torch.stack(out.logits, dim=1), expected, atol=1e-4, rtol=1e-4)
