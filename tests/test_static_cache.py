@@ -93,15 +93,18 @@ def test_static_cache_decoding_compiles_once(mode):
     assert torch.equal(first, eager) and torch.equal(second, eager)
 
 
-@pytest.mark.parametrize("sinks", [0, pytest.param(2, marks=pytest.mark.slow)])
-def test_compiled_static_cache_reads_a_padded_batch_past_the_window(sinks):
+@pytest.mark.parametrize("sinks, rule, kind", [(0, "true", "xpos"), pytest.param(2, "true", "xpos", marks=pytest.mark.slow),
+                                               pytest.param(2, "cache", "rope", marks=pytest.mark.slow)])
+def test_compiled_static_cache_reads_a_padded_batch_past_the_window(sinks, rule, kind):
     """Prompts of 100 and 60 tokens, left-padded, window 16: the compiled (fullgraph) prefill and decoding give
-    eager's tokens, and a second generate() of the same shapes compiles no new graph (with sink slots too)."""
+    eager's tokens, and a second generate() of the same shapes compiles no new graph (with sink slots too, at
+    either position rule; RoPE with sinks in the cache's frame is what a converted checkpoint decodes with)."""
     torch._dynamo.reset()
     counters.clear()
     trained = trained_model(tiny_config(max_position_embeddings=16, num_hidden_layers=1), steps=20)
     model = load_weights(trained.state_dict(), max_position_embeddings=64, num_hidden_layers=1,
-                         attention_mode="blockwise", attention_window=16, attention_sinks=sinks)
+                         attention_mode="blockwise", attention_window=16, attention_sinks=sinks,
+                         attention_sink_positions=rule, position_embedding_type=kind)
     _, ids, mask = left_padded([100, 60])
     options = dict(attention_mask=mask, cache_implementation="static")
     eager = greedy_tokens(model, ids, 20, **options)
