@@ -48,7 +48,8 @@ def one_reading(args) -> dict:
     began, cpu_began = time.perf_counter(), time.process_time()
     # One document per segment: of a single document, perplexity_by_length would read the first segment alone.
     segments = list(ids.split(args.one))
-    score = perplexity_by_length(model, segments, [args.one], "segments", batch_size=1, progress=args.progress)[args.one]
+    scores = perplexity_by_length(model, segments, [args.one], "segments", batch_size=1, progress=args.progress)
+    score = scores[args.one]
     seconds, cpu_seconds = time.perf_counter() - began, time.process_time() - cpu_began
     return {"segment": args.one, "tokens": args.tokens, "document_repeats": repeats, "ppl": score.ppl,
             "scored": score.tokens, "seconds": seconds, "tokens_per_s": args.tokens / seconds,

@@ -110,8 +110,8 @@ def one_context(args) -> dict:
     timed_generate(model, ids[:, :64], 2)  # warm-up
     began = time.perf_counter()
     prefill, rate = timed_generate(model, ids, args.new)
-    return {"reading": args.one_reading, "context": args.one_context, "prefill_tokens_per_s": args.one_context / prefill,
-            "decode_tokens_per_s": rate, "seconds": time.perf_counter() - began, "peak_rss_mb": peak_rss_mb()}
+    return {"reading": args.one_reading, "context": args.one_context,
+            "prefill_tokens_per_s": args.one_context / prefill, "decode_tokens_per_s": rate, "seconds": time.perf_counter() - began, "peak_rss_mb": peak_rss_mb()}
 
 
 def long_contexts(args) -> list[dict]:

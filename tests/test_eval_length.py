@@ -324,9 +324,10 @@ def test_eval_length_reads_sinks_by_both_position_rules(llama_folder, texts, tmp
     equals transformers' Llama under the naive window attention with its sinks placed within the cache, the true
     rule the same Llama under the window's explicit 4D mask with its sinks visible (true distances)."""
     out = tmp_path / "eval"
-    assert lex(["eval-length", str(llama_folder), "--files", documents_glob(tmp_path / "docs", texts), "--lengths", "48",
-                "--attention_modes", "sliding", "--attention_sinks", "0,4", "--attention_window", "8",
-                "--attention_sink_positions", "cache,true", "--protocols", "strided", "--output_dir", str(out)]) == 0
+    docs = documents_glob(tmp_path / "docs", texts)
+    assert lex(["eval-length", str(llama_folder), "--files", docs, "--lengths", "48", "--attention_modes", "sliding",
+                "--attention_sinks", "0,4", "--attention_window", "8", "--attention_sink_positions", "cache,true",
+                "--protocols", "strided", "--output_dir", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "| sliding + 4 sinks (cache positions) |" in printed and "| sliding + 4 sinks (true positions) |" in printed
     rows = json.loads((out / "results.json").read_text())

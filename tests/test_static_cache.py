@@ -93,7 +93,8 @@ def test_static_cache_decoding_compiles_once(mode):
     assert torch.equal(first, eager) and torch.equal(second, eager)
 
 
-@pytest.mark.parametrize("sinks, rule, kind", [(0, "true", "xpos"), pytest.param(2, "true", "xpos", marks=pytest.mark.slow),
+@pytest.mark.parametrize("sinks, rule, kind", [(0, "true", "xpos"),
+                                               pytest.param(2, "true", "xpos", marks=pytest.mark.slow),
                                                pytest.param(2, "cache", "rope", marks=pytest.mark.slow)])
 def test_compiled_static_cache_reads_a_padded_batch_past_the_window(sinks, rule, kind):
     """Prompts of 100 and 60 tokens, left-padded, window 16: the compiled (fullgraph) prefill and decoding give
