@@ -220,8 +220,8 @@ class Stream:
     def _refill_sink_slots(self, context: AttentionContext, now: StreamState, dropping: bool) -> torch.Tensor | None:
         """Point each sink slot at token (current document start + j): in the window part if it lies there, else
         the slot keeps what it holds. Returns where each slot's content comes from, as a column among the keys the
-        cache returns (the sink slots first), or None while there are no slots: they come into being with the
-        first dropped key."""
+        cache returns (the sink slots first), or None where every slot keeps its content, and while there are no
+        slots: they come into being with the first dropped key."""
         sinks, sink_slots = self.sinks, context.sink_index.shape[1]
         if sinks == 0 or not (sink_slots or dropping):
             return None
@@ -234,6 +234,8 @@ class Stream:
         valid = torch.where(in_window, exists & context.key_valid.gather(1, column), kept)
         self._store(("sink_index", wanted), ("sink_positions", positions), ("sink_valid", valid))
         self.sink_slots = sinks
+        if sink_slots == sinks and not self.static and not torch.compiler.is_compiling() and not bool(in_window.any()):
+            return None  # every slot keeps what it holds (each decoding step once the window has moved on)
         return torch.where(in_window, sink_slots + column, slot.clamp(max=max(sink_slots - 1, 0)))
 
     def _keep(self, available: int, first_index: torch.Tensor, after: StreamState, base: StreamState) -> int:
