@@ -8,11 +8,12 @@ about a million tokens, so nothing is repeated; a shorter text would be repeated
 
 The same tokens are read twice, each in a fresh process (so its peak RSS, VmHWM, is its own), with the paper's
 segments protocol (lex.perplexity, batch 1): cut into segments of l, each read from a cold start, and as one
-segment of --tokens. Printed: perplexity, tokens/s and peak RSS of each, and the long reading's ratios to the
+segment of --tokens; one after the other, or with --together at the same time (on a shared machine: the tokens/s
+ratio then compares two readings that met the same load). Printed: perplexity, tokens/s and peak RSS of each, and the long reading's ratios to the
 reading in segments of l (the issue's targets: perplexity within 5%, peak RSS within 1.2x, tokens/s at least 0.9x).
 
     python benchmarks/real_checkpoint_length.py [--tokens 524288] [--mode sliding] [--window 1024] [--sinks 4]
-        [--threads 2] [--output real_checkpoint_length.json]
+        [--threads 2 | --together --threads 1] [--output real_checkpoint_length.json]
 """
 
 import argparse
@@ -67,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sinks", type=int, default=4)
     parser.add_argument("--sink_positions", default="cache", choices=SINK_POSITIONS)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--together", action="store_true",
+                        help="run the two readings at the same time (give each --threads 1 on two cores), so that "
+                             "other work on the machine slows both alike")
     parser.add_argument("--progress", action="store_true", help="a progress bar per reading, in tokens")
     parser.add_argument("--output", type=Path)
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # internal: one reading, its JSON printed
@@ -78,15 +82,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:
         print(json.dumps(one_reading(args)))
         return 0
-    rows = []
-    for segment in (length, args.tokens):
-        command = [sys.executable, __file__, f"--model={args.model}", f"--tokens={args.tokens}", f"--mode={args.mode}",
-                   f"--window={args.window}", f"--sinks={args.sinks}", f"--sink_positions={args.sink_positions}",
-                   f"--threads={args.threads}", f"--one={segment}"] + (["--progress"] if args.progress else [])
-        result = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True)
-        rows.append(json.loads(result.stdout.strip().splitlines()[-1]))
-        print(f"  segments of {segment}: perplexity {rows[-1]['ppl']:.3f}, {rows[-1]['tokens_per_s']:.0f} tokens/s, "
-              f"peak RSS {rows[-1]['peak_rss_mb']:.0f} MB", flush=True)
+    commands = [[sys.executable, __file__, f"--model={args.model}", f"--tokens={args.tokens}", f"--mode={args.mode}",
+                 f"--window={args.window}", f"--sinks={args.sinks}", f"--sink_positions={args.sink_positions}",
+                 f"--threads={args.threads}", f"--one={segment}"] + (["--progress"] if args.progress else [])
+                for segment in (length, args.tokens)]
+    if args.together:  # both at once: whatever else the machine runs slows both alike
+        running = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True) for command in commands]
+        outputs = [process.communicate()[0] for process in running]
+        if any(process.returncode for process in running):
+            raise SystemExit("a reading failed")
+    else:
+        outputs = [subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True).stdout
+                   for command in commands]
+    rows = [json.loads(output.strip().splitlines()[-1]) for output in outputs]
+    for row in rows:
+        print(f"  segments of {row['segment']}: perplexity {row['ppl']:.3f}, {row['tokens_per_s']:.0f} tokens/s, "
+              f"peak RSS {row['peak_rss_mb']:.0f} MB", flush=True)
     short, long = rows
     ratios = {"ppl": long["ppl"] / short["ppl"], "tokens_per_s": long["tokens_per_s"] / short["tokens_per_s"],
               "peak_rss": long["peak_rss_mb"] / short["peak_rss_mb"]}
