@@ -39,7 +39,6 @@ from transformers.utils.deprecation import deprecate_kwarg
 TESTED_TRANSFORMERS = ("5.23.0", "5.25.0")
 
 
-
 def warn_if_untested(version: str) -> bool:
     """One warning naming the tested range when `version` lies outside it; whether it did."""
     oldest, untested = TESTED_TRANSFORMERS
