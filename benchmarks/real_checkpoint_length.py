@@ -9,8 +9,9 @@ about a million tokens, so nothing is repeated; a shorter text would be repeated
 The same tokens are read twice, each in a fresh process (so its peak RSS, VmHWM, is its own), with the paper's
 segments protocol (lex.perplexity, batch 1): cut into segments of l, each read from a cold start, and as one
 segment of --tokens; one after the other, or with --together at the same time (on a shared machine: the tokens/s
-ratio then compares two readings that met the same load). Printed: perplexity, tokens/s and peak RSS of each, and the long reading's ratios to the
-reading in segments of l (the issue's targets: perplexity within 5%, peak RSS within 1.2x, tokens/s at least 0.9x).
+ratio then compares two readings that met the same load). Printed: perplexity, tokens/s and peak RSS of each, and
+the long reading's ratios to the reading in segments of l (the issue's targets: perplexity within 5%, peak RSS
+within 1.2x, tokens/s at least 0.9x).
 
     python benchmarks/real_checkpoint_length.py [--tokens 524288] [--mode sliding] [--window 1024] [--sinks 4]
         [--threads 2 | --together --threads 1] [--output real_checkpoint_length.json]
