@@ -48,11 +48,15 @@ class LexCacheLayer(DynamicLayer):
     new keys in place where DynamicLayer's torch.cat copies every held key at every step (a tenth of a decoding
     step of SmolLM2-135M at 2k tokens of context). `update` returns the held keys with the new ones; what the
     forward's step says to keep (the sink slots' new contents, the last `keep` window keys) is applied at the next
-    access, once attention has read them. Under autograd the buffers are never written in place."""
+    access, once attention has read them. The sink slots are kept apart (`_sinks`) and copied in front of the
+    window part for each forward: attention may write over that copy (it turns the sink keys into their frame
+    there, kernels.py), so the keys and values a forward reads are one contiguous span. Under autograd the buffers
+    are never written in place."""
 
     def __init__(self) -> None:
         self._spans: list[tuple[torch.Tensor, int, int] | None] = [None, None]  # keys, values: (buffer, begin, end)
-        self._pending: tuple[int, int | None, torch.Tensor | None] | None = None  # sink slots, keep, sink source
+        self._sinks: list[torch.Tensor | None] = [None, None]  # keys, values of the sink slots (B, H, S, d)
+        self._pending: tuple[int, int | None] | None = None  # sink slots the forward read, window keys to keep
         super().__init__()
 
     @property
@@ -77,9 +81,12 @@ class LexCacheLayer(DynamicLayer):
         return None if span is None else span[0][:, :, span[1] : span[2]]
 
     def _set(self, which: int, tensor: torch.Tensor | None) -> None:
-        """A tensor set from outside (beam reordering, batch selection, offloading) becomes the buffer."""
+        """A tensor set from outside (beam reordering, batch selection, offloading) becomes the buffer, its first
+        columns the sink slots."""
         self._settle()
         self._spans[which] = None if tensor is None else (tensor, 0, tensor.shape[2])
+        sinks = self._sinks[which]
+        self._sinks[which] = None if tensor is None or sinks is None else tensor[:, :, : sinks.shape[2]].clone()
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -96,7 +103,9 @@ class LexCacheLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         held = self._append(0, key_states), self._append(1, value_states)
-        self._pending = (step.context.sink_index.shape[1], step.keep, step.sink_source)
+        if step.sink_source is not None:  # the slots' next contents, taken before attention reads (and rotates)
+            self._sinks = [_gather_columns(x, step.sink_source) for x in held]
+        self._pending = (step.context.sink_index.shape[1], step.keep)
         return held
 
     def _append(self, which: int, new: torch.Tensor) -> torch.Tensor:
@@ -120,33 +129,29 @@ class LexCacheLayer(DynamicLayer):
         return buffer[:, :, begin:end]
 
     def _settle(self) -> None:
-        """Apply what the last update's step said to keep: the sink slots' new contents (gathered from the keys it
-        returned, or the slots as they are) right before the last `keep` window keys."""
+        """Apply what the last update's step said to keep: the sink slots (their copy written again, over whatever
+        attention made of it) right before the last `keep` window keys."""
         if self._pending is None:
             return
-        sink_slots, keep, sink_source = self._pending
+        sink_slots, keep = self._pending
         self._pending = None
         for which, (buffer, begin, end) in enumerate(self._spans):
             first = begin + sink_slots if keep is None else end - keep  # the first window key kept
-            if sink_source is not None:
-                sinks = _gather_columns(buffer[:, :, begin:end], sink_source)
-            else:
-                sinks = buffer[:, :, begin : begin + sink_slots]
-            count = sinks.shape[2]
+            sinks = self._sinks[which]
+            count = 0 if sinks is None else sinks.shape[2]
             if buffer.requires_grad or first < count:  # no room before the window: a new buffer
-                buffer = torch.cat([sinks, buffer[:, :, first:end]], dim=2)
+                window = buffer[:, :, first:end]
+                buffer = window if sinks is None else torch.cat([sinks, window], dim=2)
                 begin, end = 0, buffer.shape[2]
             else:
-                if sink_source is not None:
+                if count:
                     buffer[:, :, first - count : first] = sinks
-                elif count and first - count != begin:  # the slots move up to the window (the ranges may overlap)
-                    buffer[:, :, first - count : first] = sinks.clone()
                 begin = first - count
             self._spans[which] = (buffer, begin, end)
 
     def keep_window(self, sink_slots: int, keep: int) -> None:
         self._settle()
-        self._pending = (sink_slots, keep, None)
+        self._pending = (sink_slots, keep)
         self._settle()
 
     def drop_latest(self, count: int) -> None:

@@ -8,7 +8,7 @@ from torch import nn
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from .masking import AttentionPlan, Tile
-from .xpos import apply_rotary, swap_pairs
+from .xpos import apply_rotary
 
 
 def eager_attention_forward(
@@ -66,20 +66,6 @@ def _tile_inputs(tile: Tile, sink_slots: int, query, key, value):
     return q, k, v
 
 
-def _sink_rotation_bias(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, sinks: int, change,
-                        scaling: float) -> torch.Tensor:
-    """The mask of a decoding step whose first `sinks` key columns are seen rotated: the change the rotation makes
-    to their scores, q . (R k - k) * scaling (R k - k = k * c + swap_pairs(k) * s, `change` = (c, s)), added to
-    those columns, taken in float32."""
-    batch, heads, length, width = q.shape
-    stored = k[:, :, :sinks].float()
-    rotated_minus_stored = torch.addcmul(stored * change[0], swap_pairs(stored), change[1])  # (B, Hkv, S, d)
-    grouped = q.float().reshape(batch, k.shape[1], heads // k.shape[1] * length, width)  # heads of one KV head
-    bias = torch.matmul(grouped, rotated_minus_stored.transpose(-1, -2)).reshape(batch, heads, length, sinks)
-    bias = nn.functional.pad((bias * scaling).to(q.dtype if mask is None else mask.dtype), (0, k.shape[2] - sinks))
-    return bias if mask is None else bias + mask
-
-
 def _attention_map(tile: Tile, sink_slots: int, weights: torch.Tensor, n_keys: int) -> torch.Tensor:
     """A dense tile's weights as a map over the keys the cache returned (sink slots first): a sink column's weight
     goes to the key it was taken from."""
@@ -135,9 +121,9 @@ def run_attention(
             q, k = apply_rotary(given, cos_q, sin_q), apply_rotary(k, cos_k, sin_k)
         if tile.sink_query_factors is not None:
             q, k, v = _meet_sinks_in_their_frame(q, apply_rotary(given, *tile.sink_query_factors), k, v, tile.n_sinks)
+        if tile.sink_key_rotation is not None:  # k is this tile's own copy there (_tile_inputs)
+            k[:, :, : tile.n_sinks] = apply_rotary(k[:, :, : tile.n_sinks], *tile.sink_key_rotation)
         mask = tile.mask
-        if tile.sink_key_change is not None:
-            mask = _sink_rotation_bias(mask, q, k, tile.n_sinks, tile.sink_key_change, module.scaling)
         bias = None if tile.distance is None else module.learned_bias(tile.distance).to(q.dtype)
         out, weights = interface(
             module, q, k, v, mask, dropout=dropout, scaling=module.scaling, position_bias=bias, is_causal=True,

@@ -155,11 +155,11 @@ class Tile:
     sink_query_factors: tuple[torch.Tensor, torch.Tensor] | None = None
     n_sinks: int = 0
     # A dense tile of one query per row (a decoding step) under per-token RoPE: the sink keys rotated back by the
-    # query's shift instead (R(a)q . k = q . R(-a)k), so no second copy of the query is needed. The kernel adds the
-    # change this makes to their scores to their mask columns, so the keys are read as the cache holds them and,
-    # where the sink columns are the cache's own sink slots (`sinks_in_slots`), in place. These are the factors
-    # (c, s) of that change: R(-a)k - k = k * c + swap_pairs(k) * s.
-    sink_key_change: tuple[torch.Tensor, torch.Tensor] | None = None
+    # query's shift instead (R(a)q . k = q . R(-a)k), so no second copy of the query is needed: these are the
+    # factors of R(-a), which the kernel applies to the tile's copy of the sink keys. Where the sink columns are the
+    # cache's own sink slots (`sinks_in_slots`), that copy is the one the cache puts before its window part for
+    # each forward (cache.py), and the tile reads keys and values in place, without a mask.
+    sink_key_rotation: tuple[torch.Tensor, torch.Tensor] | None = None
     sinks_in_slots: bool = False
 
 
@@ -284,7 +284,7 @@ def _dense_tile(
     q_rel = ctx.query_positions[:, queries] - anchor
     k_rel = torch.where(k_valid, k_positions, anchor) - anchor  # padding and empty slots: at 0
     factors, bias, distance = _terms(position_method, q_rel, k_rel)
-    sink_query_factors = sink_key_change = None
+    sink_query_factors = sink_key_rotation = None
     sinks_in_slots = False
     frame = sink_frame(config, ctx.query_index[queries][None], ctx.document_start[:, queries]) if n_sinks else None
     if frame is not None:
@@ -292,7 +292,7 @@ def _dense_tile(
             position_method, (factors, bias, distance), frame, ctx.query_positions[:, queries], sink_positions)
         if sink_query_factors is not None and position_method.per_token and queries.stop - queries.start == 1:
             cos, sin = sink_query_factors  # (B, 1, d): the inverse rotation of a pure rotation negates its sin
-            sink_key_change, sink_query_factors = (cos.unsqueeze(1) - 1, -sin.unsqueeze(1)), None
+            sink_key_rotation, sink_query_factors = (cos.unsqueeze(1), -sin.unsqueeze(1)), None
             sinks_in_slots = (keys.start == 0 and ctx.sink_index.shape[1] == n_sinks and not torch.compiler
                               .is_compiling() and bool((sink_columns == torch.arange(n_sinks)).all()))
         elif sink_query_factors is not None:
@@ -309,7 +309,7 @@ def _dense_tile(
             allowed = None
     return Tile(factors, additive_mask(allowed, bias, dtype), distance, query_slice=queries, key_slice=keys,
                 sink_columns=sink_columns, sink_query_factors=sink_query_factors, n_sinks=n_sinks,
-                sink_key_change=sink_key_change, sinks_in_slots=sinks_in_slots)
+                sink_key_rotation=sink_key_rotation, sinks_in_slots=sinks_in_slots)
 
 
 def _sees_every_key(allowed: torch.Tensor) -> bool:

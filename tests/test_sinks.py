@@ -203,14 +203,14 @@ def test_sinks_in_their_frame_keep_sdpa_on_its_fused_kernel(monkeypatch, mode):
     queries meets the sinks with a second copy of each query, so its values are padded to the same width (with
     a narrower value SDPA falls back to its unfused math path), and a decoding step scores its sink keys rotated
     instead (no second copy of the query), reading them where the cache holds them once they sit in its sink slots
-    (the keys SDPA gets are a view of the cache's buffer). Each equals transformers' Llama under the reference
-    attention (test above)."""
+    (the keys SDPA gets are a view of the cache's buffer, rotated in its copy of the slots) without a mask. Each
+    equals transformers' Llama under the reference attention (test above)."""
     widths = []
     original = torch.nn.functional.scaled_dot_product_attention
 
     def recorded(query, key, value, **kwargs):
-        widths.append((key.untyped_storage().nbytes() > key.numel() * key.element_size(), query.shape[-1],
-                       key.shape[-1], value.shape[-1]))
+        in_cache = key.untyped_storage().nbytes() > key.numel() * key.element_size()
+        widths.append((in_cache and kwargs.get("attn_mask") is None, query.shape[-1], key.shape[-1], value.shape[-1]))
         return original(query, key, value, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
@@ -222,7 +222,7 @@ def test_sinks_in_their_frame_keep_sdpa_on_its_fused_kernel(monkeypatch, mode):
     assert all(q == k == v for _, q, k, v in widths) and len(widths) == read + (W - 1) * lex.config.num_hidden_layers
     assert {q for _, q, _, _ in widths[:read]} == {head, 2 * head}  # the prompt: plain, then in the sinks' frame
     assert {q for _, q, _, _ in widths[read:]} == {head}  # decoding steps: one copy of the query
-    assert all(in_cache for in_cache, _, _, _ in widths[-W // 2 :])  # ... and the sinks in place in the cache
+    assert all(in_place for in_place, _, _, _ in widths[-W // 2 :])  # ... the sinks in place in the cache, no mask
     with torch.no_grad():
         expected = lex(out.sequences).logits[:, 3 * W + 4 : -1]
     torch.testing.assert_close(torch.stack(out.logits, dim=1), expected, atol=1e-4, rtol=1e-4)
