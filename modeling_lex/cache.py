@@ -41,6 +41,20 @@ def _gather_columns(x: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     return x.gather(2, index)
 
 
+def _with_room(like: torch.Tensor, length: int) -> torch.Tensor:
+    """An empty buffer for `length` keys and room for more (a quarter, at least 256)."""
+    return like.new_empty(*like.shape[:2], length + max(256, length // 4), like.shape[3])
+
+
+def _move(source: torch.Tensor, begin: int, end: int, target: torch.Tensor, at: int) -> None:
+    """target[at : at + end - begin] = source[begin:end] along the keys, through a copy where the two ranges of one
+    buffer overlap."""
+    held = source[:, :, begin:end]
+    if target is source and abs(at - begin) < end - begin:
+        held = held.clone()
+    target[:, :, at : at + end - begin] = held
+
+
 class LexCacheLayer(DynamicLayer):
     """One layer's raw keys and values: the sink slots (none before the first dropped key), then the window part.
 
@@ -109,8 +123,9 @@ class LexCacheLayer(DynamicLayer):
         return held
 
     def _append(self, which: int, new: torch.Tensor) -> torch.Tensor:
-        """The held part followed by `new`: written after it in place when the buffer has room (else in a new
-        buffer with room to grow), or concatenated under autograd."""
+        """The held part followed by `new`: written after it in place when the buffer has room after it, else
+        with the held part moved to the front of the buffer (a window's buffer, once it has room for the window,
+        is never replaced) or of a new one with room to grow; concatenated under autograd."""
         span = self._spans[which]
         if span is None:
             span = (new[:, :, :0], 0, 0)
@@ -119,9 +134,9 @@ class LexCacheLayer(DynamicLayer):
         if new.requires_grad or buffer.requires_grad:
             buffer, begin, end = torch.cat([buffer[:, :, begin:end], new], dim=2), 0, length
         else:
-            if end + new.shape[2] > buffer.shape[2]:
-                room = new.new_empty(*new.shape[:2], length + max(256, length // 4), new.shape[3])
-                room[:, :, : end - begin] = buffer[:, :, begin:end]
+            if end + new.shape[2] > buffer.shape[2]:  # no room after the held part: it moves to the front
+                room = buffer if length <= buffer.shape[2] else _with_room(new, length)  # (of a larger buffer)
+                _move(buffer, begin, end, room, 0)
                 buffer, begin, end = room, 0, end - begin
             buffer[:, :, end : end + new.shape[2]] = new
             end += new.shape[2]
@@ -139,14 +154,18 @@ class LexCacheLayer(DynamicLayer):
             first = begin + sink_slots if keep is None else end - keep  # the first window key kept
             sinks = self._sinks[which]
             count = 0 if sinks is None else sinks.shape[2]
-            if buffer.requires_grad or first < count:  # no room before the window: a new buffer
+            if buffer.requires_grad:
                 window = buffer[:, :, first:end]
                 buffer = window if sinks is None else torch.cat([sinks, window], dim=2)
-                begin, end = 0, buffer.shape[2]
-            else:
-                if count:
-                    buffer[:, :, first - count : first] = sinks
-                begin = first - count
+                first, end = count, buffer.shape[2]
+            elif first < count:  # no room before the window (its first dropped key): the window part moves up
+                length = count + end - first
+                room = buffer if length <= buffer.shape[2] else _with_room(buffer, length)
+                _move(buffer, first, end, room, count)
+                buffer, first, end = room, count, length
+            if count and not buffer.requires_grad:
+                buffer[:, :, first - count : first] = sinks
+            begin = first - count
             self._spans[which] = (buffer, begin, end)
 
     def keep_window(self, sink_slots: int, keep: int) -> None:
