@@ -189,10 +189,12 @@ def test_left_padded_rows_generate_as_alone(mode):
         assert torch.equal(batch[i, ids.shape[1] :], alone[0, len(row) :])
 
 
+@pytest.mark.parametrize("sinks", [0, 2])
 @pytest.mark.parametrize("mode", ["blockwise", "sliding"])
-def test_beam_search_and_sampling_equal_generation_without_cache(mode):
-    """num_beams=3 and sampling over several blocks pick what the no-cache forward picks at every step."""
-    model = perturbed_model(tiny_config(attention_mode=mode))
+def test_beam_search_and_sampling_equal_generation_without_cache(mode, sinks):
+    """num_beams=3 and sampling over several blocks pick what the no-cache forward picks at every step (with sinks,
+    beams reordered hold their own sink slots)."""
+    model = perturbed_model(tiny_config(attention_mode=mode, attention_sinks=sinks))
     ids = prompt(2, 11)
     beams = {}
     for use_cache in (True, False):
@@ -206,6 +208,27 @@ def test_beam_search_and_sampling_equal_generation_without_cache(mode):
         sampled[use_cache] = model.generate(ids, do_sample=True, top_k=20, max_new_tokens=3 * W, pad_token_id=PAD,
                                             use_cache=use_cache)
     assert torch.equal(sampled[True], sampled[False])
+
+
+@pytest.mark.parametrize("change", ["reorder_cache", "batch_select_indices", "batch_repeat_interleave"])
+@pytest.mark.parametrize("mode", ["blockwise", "sliding"])
+def test_rows_taken_from_a_cache_with_sink_slots_read_on_as_those_rows(mode, change):
+    """A LexCache past its window (its sink slots filled) whose rows are reordered (beam search), selected or
+    repeated (transformers' batch_select_indices, batch_repeat_interleave) reads on as a cache of those rows: each
+    layer's sink slots follow their rows."""
+    model = perturbed_model(tiny_config(attention_mode=mode, attention_sinks=2))
+    ids = prompt(2, 3 * W + 2, seed=7)
+    rows, argument = {"reorder_cache": ([1, 0], torch.tensor([1, 0])), "batch_select_indices": ([1], torch.tensor([1])),
+                      "batch_repeat_interleave": ([0, 0, 1, 1], 2)}[change]
+    cache = LexCache(model.config)
+    with torch.no_grad():
+        model(ids[:, :-2], **{CACHE_NAME: cache})
+        assert cache.stream.sink_slots == 2 and all(layer.keys.shape[2] == 2 + cache.held for layer in cache.layers)
+        getattr(cache, change)(argument)
+        steps = (ids[rows, -2:-1], ids[rows, -1:])  # two steps: the second reads the sink slots the first kept
+        logits = torch.cat([model(step, **{CACHE_NAME: cache}).logits for step in steps], dim=1)
+        expected = model(ids[rows]).logits[:, -2:]
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_generation_continues_from_a_returned_cache():
