@@ -226,3 +226,24 @@ def test_sinks_in_their_frame_keep_sdpa_on_its_fused_kernel(monkeypatch, mode):
     with torch.no_grad():
         expected = lex(out.sequences).logits[:, 3 * W + 4 : -1]
     torch.testing.assert_close(torch.stack(out.logits, dim=1), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["blockwise", "sliding"])
+def test_decoding_steps_with_sinks_in_their_frame_give_the_no_cache_gradients(mode):
+    """Under autograd, single-token steps whose sink keys are rotated in the cache's copy of its slots give the
+    logits and gradients of one no-cache forward: autograd records the rotation written in place."""
+    ids = prompt(1, 3 * W + 2)
+    results = []
+    for cached in (True, False):
+        model = lex_from_hf(tiny_llama(), mode, W, S).train()
+        if cached:
+            cache = LexCache(model.config)
+            logits = torch.cat([model(part, past_key_values=cache).logits
+                                for part in (ids[:, :-2], ids[:, -2:-1], ids[:, -1:])], dim=1)
+        else:
+            logits = model(ids).logits
+        logits.pow(2).mean().backward()
+        results.append((logits.detach(), [p.grad for p in model.parameters()]))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-5, rtol=1e-5)
+    for cached, plain in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(cached, plain, atol=1e-5, rtol=1e-4)
