@@ -117,12 +117,11 @@ def run_attention(
         given, k, v = _tile_inputs(tile, plan.sink_slots, query, key, value)
         q = given
         if tile.factors is not None:
-            cos_q, sin_q, cos_k, sin_k = tile.factors
-            q, k = apply_rotary(given, cos_q, sin_q), apply_rotary(k, cos_k, sin_k)
+            q, k = apply_rotary(given, tile.factors[0]), apply_rotary(k, tile.factors[1])
         if tile.sink_query_factors is not None:
-            q, k, v = _meet_sinks_in_their_frame(q, apply_rotary(given, *tile.sink_query_factors), k, v, tile.n_sinks)
+            q, k, v = _meet_sinks_in_their_frame(q, apply_rotary(given, tile.sink_query_factors), k, v, tile.n_sinks)
         if tile.sink_key_rotation is not None:  # k is this tile's own copy there (_tile_inputs)
-            k[:, :, : tile.n_sinks] = apply_rotary(k[:, :, : tile.n_sinks], *tile.sink_key_rotation)
+            k[:, :, : tile.n_sinks] = apply_rotary(k[:, :, : tile.n_sinks], tile.sink_key_rotation)
         mask = tile.mask
         bias = None if tile.distance is None else module.learned_bias(tile.distance).to(q.dtype)
         out, weights = interface(

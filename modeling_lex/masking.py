@@ -35,7 +35,7 @@ from .stream import AttentionContext, Stream, StreamStep
 from .visibility import (
     chunk_map, locate_in_window, seen_as_sink, sink_count, sink_frame, sink_indices, window_visible,
 )
-from .xpos import apply_rotary
+from .xpos import apply_rotary, inverse_rotation
 
 
 def read_stream(
@@ -141,7 +141,7 @@ class Tile:
     keys the cache returns (sink slots first); each chunk is one batch entry of the attention call.
     """
 
-    factors: tuple[torch.Tensor, ...] | None  # cos_q, sin_q, cos_k, sin_k in the tile's layout
+    factors: tuple[torch.Tensor, torch.Tensor] | None  # of queries and keys in the tile's layout (rotary methods)
     mask: torch.Tensor | None  # additive (0 = may attend) with any fixed bias folded in; None = plain causal
     distance: torch.Tensor | None = None  # query-minus-key position, for biases the layers learn (KERPLE)
     query_slice: slice | None = None
@@ -152,14 +152,14 @@ class Tile:
     key_columns: torch.Tensor | None = None  # (chunks, span) or (B, chunks, span)
     # Sinks seen from a frame of their own (visibility.sink_frame) by a rotary method: the first
     # `n_sinks` key columns are met by a second copy of each query, encoded in the sink frame by these factors.
-    sink_query_factors: tuple[torch.Tensor, torch.Tensor] | None = None
+    sink_query_factors: torch.Tensor | None = None
     n_sinks: int = 0
     # A dense tile of one query per row (a decoding step) under per-token RoPE: the sink keys rotated back by the
     # query's shift instead (R(a)q . k = q . R(-a)k), so no second copy of the query is needed: these are the
     # factors of R(-a), which the kernel applies to the tile's copy of the sink keys. Where the sink columns are the
     # cache's own sink slots (`sinks_in_slots`), that copy is the one the cache puts before its window part for
     # each forward (cache.py), and the tile reads keys and values in place, without a mask.
-    sink_key_rotation: tuple[torch.Tensor, torch.Tensor] | None = None
+    sink_key_rotation: torch.Tensor | None = None
     sinks_in_slots: bool = False
 
 
@@ -171,12 +171,12 @@ class AttentionPlan:
     tiles: list[Tile]
     sink_slots: int  # S': the cache's sink slots, which come first among the keys it returns
     attention_maps: bool = False  # one dense tile over every key, whose weights are the full attention map
-    token_factors: tuple[torch.Tensor, torch.Tensor] | None = None  # (B, 1, T, d): per-token encodings (RoPE)
+    token_factors: torch.Tensor | None = None  # (B, 1, T, d): per-token encodings (RoPE)
 
     def encode_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """The new tokens' queries or keys (B, H, T, d) encoded at their own positions, for methods that are
         per token (the cache then holds encoded keys); unchanged otherwise."""
-        return x if self.token_factors is None else apply_rotary(x, *self.token_factors)
+        return x if self.token_factors is None else apply_rotary(x, self.token_factors)
 
 
 def additive_mask(allowed: torch.Tensor | None, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -255,10 +255,8 @@ def _sink_frame_terms(position_method: PositionMethod, terms: tuple, frame: tupl
     sink = position_method.terms(q_frame, k_frame.expand(*q_frame.shape[:-1], sinks))
     query_factors = None
     if sink.factors is not None:
-        cos_q, sin_q, cos_k, sin_k = sink.factors
-        factors = (*factors[:2], *(torch.cat([s, f[..., sinks:, :]], dim=-2) for s, f in ((cos_k, factors[2]),
-                                                                                             (sin_k, factors[3]))))
-        query_factors = (cos_q, sin_q)
+        query_factors, sink_keys = sink.factors
+        factors = (factors[0], torch.cat([sink_keys, factors[1][..., sinks:, :]], dim=-2))
     if sink.bias is not None:
         bias = torch.cat([sink.bias, bias[..., sinks:]], dim=-1)
     if sink.distance is not None:
@@ -291,12 +289,11 @@ def _dense_tile(
         factors, bias, distance, sink_query_factors = _sink_frame_terms(
             position_method, (factors, bias, distance), frame, ctx.query_positions[:, queries], sink_positions)
         if sink_query_factors is not None and position_method.per_token and queries.stop - queries.start == 1:
-            cos, sin = sink_query_factors  # (B, 1, d): the inverse rotation of a pure rotation negates its sin
-            sink_key_rotation, sink_query_factors = (cos.unsqueeze(1), -sin.unsqueeze(1)), None
+            sink_key_rotation, sink_query_factors = inverse_rotation(sink_query_factors).unsqueeze(1), None
             sinks_in_slots = (keys.start == 0 and ctx.sink_index.shape[1] == n_sinks and not torch.compiler
                               .is_compiling() and bool((sink_columns == torch.arange(n_sinks)).all()))
         elif sink_query_factors is not None:
-            sink_query_factors = tuple(f.unsqueeze(1) for f in sink_query_factors)
+            sink_query_factors = sink_query_factors.unsqueeze(1)
     if factors is not None:
         factors = tuple(f.unsqueeze(1) for f in factors)  # broadcast over heads
     allowed = None
@@ -350,7 +347,7 @@ def _chunked_tile(
         factors, bias, distance, sink_query_factors = _sink_frame_terms(
             position_method, (factors, bias, distance), frame, q_pos, sink_positions)
         if sink_query_factors is not None:
-            sink_query_factors = tuple(f.flatten(0, 1).unsqueeze(1) for f in sink_query_factors)
+            sink_query_factors = sink_query_factors.flatten(0, 1).unsqueeze(1)
     if factors is not None:
         factors = tuple(f.flatten(0, 1).unsqueeze(1) for f in factors)  # (B*chunks, 1, len, d)
     if bias is not None:
@@ -400,7 +397,7 @@ def build_plan(
     window = config.attention_window
     plan = AttentionPlan(step, [], ctx.sink_index.shape[1], attention_maps)
     if position_method.per_token:
-        plan.token_factors = tuple(f.unsqueeze(1) for f in position_method.token_factors(ctx.query_positions))
+        plan.token_factors = position_method.token_factors(ctx.query_positions).unsqueeze(1)
     if total <= window or attention_maps or ctx.allowed is not None:  # a 4D mask is O(T * K) already
         plain = step.plain and not attention_maps
         plan.tiles = [_dense_tile(config, position_method, ctx, slice(0, total), slice(0, n_keys), dtype, plain)]

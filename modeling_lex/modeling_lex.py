@@ -40,7 +40,9 @@ ACTIVATIONS = {
 
 
 class LexRMSNorm(nn.Module):
-    """RMSNorm as Llama computes it: normalised in float32, cast back, then scaled by the weight."""
+    """RMSNorm as Llama computes it: normalised in float32, cast back, then scaled by the weight (torch's fused
+    rms_norm gives Llama's numbers without its three temporaries of the input's size; where no graph is recorded
+    and the dtypes agree, the weight scales the normalised tensor in place)."""
 
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -48,8 +50,11 @@ class LexRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        variance = x.float().pow(2).mean(-1, keepdim=True)
-        return self.weight * (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype)
+        normalized = nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        recorded = torch.is_grad_enabled() and (normalized.requires_grad or self.weight.requires_grad)
+        if recorded or normalized.dtype != self.weight.dtype:
+            return self.weight * normalized
+        return normalized.mul_(self.weight)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
@@ -84,7 +89,10 @@ class LexMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
-            hidden = self.act(self.gate_proj(x)) * self.up_proj(x)
+            hidden, up = self.act(self.gate_proj(x)), self.up_proj(x)
+            # Where no graph is recorded, the product is written over the activation: one tensor of the MLP's
+            # width fewer to allocate (of a prefill's, the largest).
+            hidden = hidden * up if hidden.requires_grad or up.requires_grad else hidden.mul_(up)
         else:
             hidden = self.fc1(x)
             hidden = self.act(hidden.float()).type_as(hidden)

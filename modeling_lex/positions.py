@@ -22,7 +22,7 @@ from .xpos import alibi_bias, inverse_frequencies, kerple_log_bias, rotary_facto
 class PositionTerms:
     """What one tile's attention gets from positions (any of them may be absent)."""
 
-    factors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # cos_q, sin_q, cos_k, sin_k
+    factors: tuple[torch.Tensor, torch.Tensor] | None = None  # of queries and keys (xpos.rotary_factors)
     bias: torch.Tensor | None = None  # (..., heads, queries, keys) added to the scores
     distance: torch.Tensor | None = None  # (..., queries, keys) query minus key position, for a learned bias
 
@@ -52,11 +52,11 @@ class PositionMethod:
     def learned_bias(self, attention: nn.Module, distance: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"position_embedding_type={self.config.position_embedding_type!r} learns no bias")
 
-    def token_factors(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def token_factors(self, positions: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"position_embedding_type={self.config.position_embedding_type!r} is not per token")
 
-    def shift_factors(self, shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) that move a per-token encoding by `shift` positions (no second attention factor)."""
+    def shift_factors(self, shift: torch.Tensor) -> torch.Tensor:
+        """The factors that move a per-token encoding by `shift` positions (no second attention factor)."""
         raise TypeError(f"position_embedding_type={self.config.position_embedding_type!r} is not per token")
 
 
@@ -87,10 +87,9 @@ class Rotary(PositionMethod):
             self.log_decay = xpos_zeta(head_dim, config.xpos_gamma, torch.device("cpu")).log() / config.xpos_scale_base
 
     def terms(self, q_rel: torch.Tensor, k_rel: torch.Tensor) -> PositionTerms:
-        cos_q, sin_q = rotary_factors(q_rel, self.inverse_frequencies, self.log_decay, self.scale)
         negated = None if self.log_decay is None else -self.log_decay
-        cos_k, sin_k = rotary_factors(k_rel, self.inverse_frequencies, negated, self.scale)
-        return PositionTerms(factors=(cos_q, sin_q, cos_k, sin_k))
+        return PositionTerms(factors=(rotary_factors(q_rel, self.inverse_frequencies, self.log_decay, self.scale),
+                                      rotary_factors(k_rel, self.inverse_frequencies, negated, self.scale)))
 
 
 class XPos(Rotary):
@@ -110,11 +109,11 @@ class Rope(Rotary):
     def terms(self, q_rel: torch.Tensor, k_rel: torch.Tensor) -> PositionTerms:
         return PositionTerms()
 
-    def token_factors(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) at each position id, (..., head_dim) float32."""
+    def token_factors(self, positions: torch.Tensor) -> torch.Tensor:
+        """The factors at each position id, (..., head_dim) float32."""
         return rotary_factors(positions, self.inverse_frequencies, None, self.scale)
 
-    def shift_factors(self, shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def shift_factors(self, shift: torch.Tensor) -> torch.Tensor:
         return rotary_factors(shift, self.inverse_frequencies, None)
 
 

@@ -28,14 +28,13 @@ def rotary_factors(
     inverse_frequencies: torch.Tensor | None,
     log_decay: torch.Tensor | None,
     scale: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-position factors (cos, sin), each `relative_positions.shape + (head_dim,)`, float32.
+) -> torch.Tensor:
+    """Per-position factors, `relative_positions.shape + (head_dim,)` float32: for each interleaved pair i, the
+    complex number (cos, sin) of p*theta_i (1 when `inverse_frequencies` is None) scaled by exp(p * log_decay_i)
+    (xPos: log(zeta_i)/B for queries, minus that for keys; none when None) and by `scale` (yarn's attention factor).
 
-    x at relative position p becomes a rotation of each interleaved pair by p*theta_i (none when
-    `inverse_frequencies` is None) scaled by exp(p * log_decay_i) (xPos: log(zeta_i)/B for queries, minus that for
-    keys; none when None) and by `scale` (yarn's attention factor): `apply_rotary`. `sin` carries the rotation's
-    sign per pair (-sin, +sin), so applying it swaps each pair once instead of negating and restacking it. Angles
-    and powers are taken in float64 from integer positions, so the scale folded in costs nothing when applying them.
+    `apply_rotary` multiplies each pair of x, read as a complex number, by it. Angles and powers are taken in
+    float64 from integer positions, so the scale folded in costs nothing when applying them.
     """
     device = relative_positions.device
     positions = relative_positions.to(torch.float64)[..., None]
@@ -47,20 +46,27 @@ def rotary_factors(
         cos = torch.ones(positions.shape[:-1] + reference.shape, dtype=torch.float64, device=device)
         sin = torch.zeros_like(cos)
     factor = (positions * log_decay.to(device)).exp() * scale if log_decay is not None else scale
-    cos, sin = ((f * factor).to(torch.float32) for f in (cos, sin))
-    return cos.repeat_interleave(2, dim=-1), torch.stack((-sin, sin), dim=-1).flatten(-2)
+    return torch.stack((cos * factor, sin * factor), dim=-1).to(torch.float32).flatten(-2)
 
 
-def swap_pairs(x: torch.Tensor) -> torch.Tensor:
-    """(x0, x1, x2, x3, ...) -> (x1, x0, x3, x2, ...): with the signed sin of `rotary_factors`, TorchScale's
-    interleaved pair rotation (`rotate_every_two`: -x1, x0, -x3, x2, ...)."""
-    return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+def inverse_rotation(factors: torch.Tensor) -> torch.Tensor:
+    """The factors of the inverse of a pure rotation (complex conjugates: the sines negated)."""
+    return (factors.unflatten(-1, (-1, 2)) * factors.new_tensor([1.0, -1.0])).flatten(-2)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (and scale) x with factors from `rotary_factors`; the product is taken in float32."""
-    x32 = x.float()
-    return (x32 * cos + swap_pairs(x32) * sin).to(x.dtype)
+def apply_rotary(x: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """x (..., head_dim) with each interleaved pair (x0, x1), read as the complex number x0 + i x1, multiplied by
+    its factor from `rotary_factors`: TorchScale's rotation (x0 cos - x1 sin, x1 cos + x0 sin) and scale, taken in
+    float32. Eager, as one complex product: one pass over x, where the real form takes four element-wise ops, each
+    reading and writing all of it; compiled, in the real form, which inductor fuses into one kernel (it generates
+    no code for complex numbers, torch 2.13)."""
+    pairs, f = x.float().unflatten(-1, (-1, 2)), factors.unflatten(-1, (-1, 2))
+    if torch.compiler.is_compiling():
+        x0, x1, cos, sin = pairs[..., 0], pairs[..., 1], f[..., 0], f[..., 1]
+        product = torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1)
+    else:
+        product = torch.view_as_real(torch.view_as_complex(pairs) * torch.view_as_complex(f))
+    return product.flatten(-2).to(x.dtype)
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:

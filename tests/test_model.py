@@ -48,8 +48,8 @@ def test_xpos_scores_equal_torchscale(head_dim, length, offset):
     q_rel = torch.arange(offset, keys_len) - anchor
     k_rel = torch.arange(keys_len) - anchor
     method = position_method(LexConfig(hidden_size=head_dim, num_attention_heads=1, position_embedding_type="xpos"))
-    cos_q, sin_q, cos_k, sin_k = method.terms(q_rel, k_rel).factors
-    ours = apply_rotary(q, cos_q, sin_q).double() @ apply_rotary(k, cos_k, sin_k).double().transpose(1, 2)
+    factors_q, factors_k = method.terms(q_rel, k_rel).factors
+    ours = apply_rotary(q, factors_q).double() @ apply_rotary(k, factors_k).double().transpose(1, 2)
 
     positions = torch.arange(keys_len)
     exact = reference.encode(q[0].double(), positions[offset:], "xpos") @ reference.encode(
@@ -59,6 +59,27 @@ def test_xpos_scores_equal_torchscale(head_dim, length, offset):
     assert (ours[0] - exact).abs().max().item() <= 1e-6 * scale
     tolerance = 1e-6 if length < 1024 else 5e-5
     assert (ours - torchscale_scores).abs().max().item() <= tolerance * scale
+
+
+@pytest.mark.parametrize("compiling", [False, True], ids=["complex-product", "real-form"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_both_forms_of_the_rotary_product_encode_as_the_float64_reference(monkeypatch, compiling, dtype):
+    """apply_rotary multiplies pairs as complex numbers in eager mode and spells the product out in real arithmetic
+    where inductor compiles it; both equal the float64 xPos encoding (rotation and decay, queries and keys), on a
+    transposed (B, H, T, d) view as the attention layers hand it over."""
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
+    torch.manual_seed(0)
+    positions = torch.arange(300, 340)
+    x = torch.randn(1, 40, 3, 64).transpose(1, 2)  # (B, H, T, d), not contiguous
+    method = position_method(LexConfig(hidden_size=64, num_attention_heads=1, position_embedding_type="xpos"))
+    factors_q, factors_k = method.terms(positions - 300, positions - 300).factors
+    for factors, downscale in ((factors_q, False), (factors_k, True)):
+        ours = apply_rotary(x.to(dtype), factors)
+        assert ours.dtype == dtype
+        exact = torch.stack([reference.encode(x[0, h].to(dtype).double(), positions - 300, "xpos",
+                                              downscale=downscale) for h in range(3)])[None]
+        tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(ours.double(), exact, atol=tolerance, rtol=tolerance)
 
 
 def test_xpos_scale_is_torchscale_buffer():
@@ -85,8 +106,8 @@ def test_rope_equals_hf_rotary_up_to_pair_layout():
     expected = q_hf @ k_hf.transpose(-1, -2)
 
     method = position_method(LexConfig(hidden_size=d, num_attention_heads=1, position_embedding_type="rope"))
-    cos, sin = method.token_factors(positions[0])
-    ours = apply_rotary(q, cos, sin) @ apply_rotary(k, cos, sin).transpose(-1, -2)
+    factors = method.token_factors(positions[0])
+    ours = apply_rotary(q, factors) @ apply_rotary(k, factors).transpose(-1, -2)
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-5)
 
 
@@ -353,6 +374,65 @@ def test_modern_backbone_equals_reference(backbone, kind, mode):
     with torch.no_grad():
         logits = model(ids).logits
     assert_rows_equal_reference(model, ids, logits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_norm_and_mlp_compute_llamas_numbers_in_place_or_not(dtype):
+    """RMSNorm (torch's fused kernel, the weight applied in place where no graph is recorded) and the gated MLP
+    (the product written over the activation there) give transformers' LlamaRMSNorm and LlamaMLP bit for bit, with
+    and without autograd, and the recorded forward gives Llama's gradients."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+    from modeling_lex.modeling_lex import LexMLP, LexRMSNorm
+
+    config = tiny_config(**BACKBONES["llama_gqa_untied"])
+    torch.manual_seed(0)
+    ours_norm, ours_mlp = LexRMSNorm(32, 1e-5), LexMLP(config)
+    llama_norm = LlamaRMSNorm(32, eps=1e-5)
+    llama_mlp = LlamaMLP(LlamaConfig(hidden_size=32, intermediate_size=64, hidden_act="silu"))
+    with torch.no_grad():
+        ours_norm.weight.normal_()
+        llama_norm.weight.copy_(ours_norm.weight)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(llama_mlp, name).weight.copy_(getattr(ours_mlp, name).weight)
+    for module in (ours_norm, ours_mlp, llama_norm, llama_mlp):
+        module.to(dtype)
+    x = torch.randn(2, 7, 32, dtype=dtype)
+    with torch.no_grad():
+        assert torch.equal(ours_norm(x), llama_norm(x))
+        assert torch.equal(ours_mlp(x), llama_mlp(x))
+    for ours, llama in ((ours_norm, llama_norm), (ours_mlp, llama_mlp)):
+        given = x.clone().requires_grad_()
+        out = ours(given)
+        expected = llama(x.clone().requires_grad_())
+        assert torch.equal(out, expected)
+        out.float().square().sum().backward()
+        expected.float().square().sum().backward()
+        for (name, a), b in zip(ours.named_parameters(), llama.parameters()):
+            assert torch.equal(a.grad, b.grad), name
+
+
+def test_a_forward_writes_over_no_tensor_a_module_returned():
+    """The in-place writes (norm weight, MLP product, the sink keys' rotation in the cache's copy) touch only
+    tensors made inside a module's forward: what a forward hook kept of any module's output is, after the model's
+    forward, what the module returned."""
+    config = tiny_config(attention_sinks=2, attention_mode="sliding", **BACKBONES["llama_gqa_untied"])
+    model = perturbed_model(config)
+    kept = []
+
+    def keep(module, args, output):
+        for tensor in output if isinstance(output, tuple) else (output,):
+            if isinstance(tensor, torch.Tensor):
+                kept.append((tensor, tensor.clone()))
+
+    for module in model.modules():
+        module.register_forward_hook(keep)
+    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert len(kept) > 100
+    assert all(torch.equal(tensor, copy) for tensor, copy in kept)
 
 
 @pytest.mark.parametrize("mode", MODES)
