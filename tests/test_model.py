@@ -402,6 +402,11 @@ def test_the_norm_and_mlp_compute_llamas_numbers_in_place_or_not(dtype):
     with torch.no_grad():
         assert torch.equal(ours_norm(x), llama_norm(x))
         assert torch.equal(ours_mlp(x), llama_mlp(x))
+        # A float32 weight on a bfloat16 input (a norm kept in float32): the product is float32, as Llama's.
+        ours_norm.float(), llama_norm.float()
+        assert torch.equal(ours_norm(x.bfloat16()), llama_norm(x.bfloat16()))
+        assert ours_norm(x.bfloat16()).dtype == torch.float32
+        ours_norm.to(dtype), llama_norm.to(dtype)
     for ours, llama in ((ours_norm, llama_norm), (ours_mlp, llama_mlp)):
         given = x.clone().requires_grad_()
         out = ours(given)
