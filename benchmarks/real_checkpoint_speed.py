@@ -15,7 +15,10 @@ so prefill is the time to the first new token and decoding one over the median t
 2. Long contexts (--long, default 2,048, 8,192 and 32,768 tokens): Llama as published and LEX sliding with
    --sinks sinks, each context and model in a fresh process, so that its peak RSS (VmHWM) is its own: prefill
    tokens/s, decoding tokens/s and peak RSS. Llama's cache and attention grow with the context; the window's
-   stay at w - 1 + S keys.
+   stay at w - 1 + S keys. The decoding ratios are then measured side by side in the same process (processes
+   run minutes apart, and a shared machine's speed drifts more than that between them): the reading at the
+   context against itself at the first context (flat or falling), and Llama against LEX at the context, the
+   streams taking turns in spells of --new tokens, --repeats rounds.
 
     python benchmarks/real_checkpoint_speed.py [--context 2048] [--repeats 5] [--long 2048,8192,32768]
         [--threads 2] [--output real_checkpoint_speed.json]
@@ -36,6 +39,7 @@ from common import Clock, peak_rss_mb, real_checkpoint, write_output
 from convert.hf import lex_from_hf
 from lex.data import kjv_books
 from lex.models import load_model, load_tokenizer
+from modeling_lex.generation import CACHE_NAME
 
 READINGS = ("full", "sliding", "sliding+sinks", "blockwise", "blockwise+sinks")
 
@@ -63,13 +67,28 @@ def reading(source, name: str, window: int, sinks: int):
 
 
 @torch.no_grad()
-def timed_generate(model, ids: torch.Tensor, new: int) -> tuple[float, float]:
-    """(prefill seconds, decoding tokens/s) of one greedy generate() of `new` tokens after `ids`: the time to the
-    first new token, and one over the median time between the new tokens after it."""
+def timed_generate(model, ids: torch.Tensor, new: int) -> tuple[float, float, dict]:
+    """(prefill seconds, decoding tokens/s, the stream) of one greedy generate() of `new` tokens after `ids`: the
+    time to the first new token, and one over the median time between the new tokens after it. The stream
+    ({"ids", "cache"}) is what `decode_spell` continues."""
     clock = Clock()
-    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                   do_sample=False, streamer=clock, pad_token_id=model.config.eos_token_id)
-    return clock.stamps[1] - clock.stamps[0], 1 / statistics.median(clock.steps())
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                         do_sample=False, streamer=clock, pad_token_id=model.config.eos_token_id,
+                         return_dict_in_generate=True)
+    stream = {"ids": out.sequences, "cache": getattr(out, CACHE_NAME)}  # the installed transformers' name
+    return clock.stamps[1] - clock.stamps[0], 1 / statistics.median(clock.steps()), stream
+
+
+@torch.no_grad()
+def decode_spell(model, stream: dict, new: int) -> float:
+    """Decoding tokens/s of `new` more greedy tokens of a stream `timed_generate` read, continued in place: one over
+    the median time between its tokens."""
+    clock = Clock()
+    out = model.generate(stream["ids"], attention_mask=torch.ones_like(stream["ids"]), **{CACHE_NAME: stream["cache"]},
+                         max_new_tokens=new, min_new_tokens=new, do_sample=False, streamer=clock,
+                         pad_token_id=model.config.eos_token_id, return_dict_in_generate=True)
+    stream["ids"] = out.sequences
+    return 1 / statistics.median(clock.steps())
 
 
 def side_by_side(args) -> dict:
@@ -82,7 +101,7 @@ def side_by_side(args) -> dict:
     decode = {name: [] for name in models}
     for _ in range(args.repeats):  # interleaved, so a busy spell of the machine hits every model alike
         for name, model in models.items():
-            seconds, rate = timed_generate(model, ids, args.new)
+            seconds, rate, _ = timed_generate(model, ids, args.new)
             prefill[name].append(args.context / seconds)
             decode[name].append(rate)
     rows = {name: {"prefill_tokens_per_s": statistics.median(prefill[name]), "prefill_all": prefill[name],
@@ -102,16 +121,32 @@ def side_by_side(args) -> dict:
 
 
 def one_context(args) -> dict:
-    """In this process: one reading at one context length (its peak RSS is the process's own)."""
+    """In this process: one reading at one context length, timed as a user times generate(), with its peak RSS
+    (the process's own). Then decoding side by side, so that a machine busier at one moment than at another moves
+    no ratio: the reading at this context against itself at the first context, and, for Llama, against LEX at this
+    context (the same weights), taking turns in spells of --new tokens, --repeats rounds."""
     source = load_model(str(args.model))
     ids = prompt_ids(load_tokenizer(str(args.model)), args.one_context)
     model = reading(source, args.one_reading, args.window, args.sinks)
-    del source
     timed_generate(model, ids[:, :64], 2)  # warm-up
     began = time.perf_counter()
-    prefill, rate = timed_generate(model, ids, args.new)
-    return {"reading": args.one_reading, "context": args.one_context,
-            "prefill_tokens_per_s": args.one_context / prefill, "decode_tokens_per_s": rate, "seconds": time.perf_counter() - began, "peak_rss_mb": peak_rss_mb()}
+    prefill, rate, stream = timed_generate(model, ids, args.new)
+    row = {"reading": args.one_reading, "context": args.one_context,
+           "prefill_tokens_per_s": args.one_context / prefill, "decode_tokens_per_s": rate,
+           "seconds": time.perf_counter() - began, "peak_rss_mb": peak_rss_mb()}
+    streams = {"this": (model, stream), "first": (model, timed_generate(model, ids[:, : args.long[0]], 2)[2])}
+    if args.one_reading == "llama":
+        lex = reading(source, "sliding+sinks", args.window, args.sinks)
+        streams["lex"] = (lex, timed_generate(lex, ids, 2)[2])
+    spells = {name: [] for name in streams}
+    for _ in range(args.repeats):
+        for name, (stream_model, stream) in streams.items():
+            spells[name].append(decode_spell(stream_model, stream, args.new))
+    rates = {name: statistics.median(values) for name, values in spells.items()}
+    row["side_by_side"] = {"decode_tokens_per_s": rates, "decode_vs_own_first": rates["this"] / rates["first"]}
+    if "lex" in rates:
+        row["side_by_side"]["lex_decode_vs_llama"] = rates["lex"] / rates["this"]
+    return row
 
 
 def long_contexts(args) -> list[dict]:
@@ -120,6 +155,7 @@ def long_contexts(args) -> list[dict]:
         for name in ("llama", "sliding+sinks"):
             command = [sys.executable, __file__, f"--model={args.model}", f"--window={args.window}",
                        f"--sinks={args.sinks}", f"--new={args.new}", f"--threads={args.threads}",
+                       f"--repeats={args.repeats}", f"--long={','.join(map(str, args.long))}",
                        f"--one-context={context}", f"--one-reading={name}"]
             result = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True)
             rows.append(json.loads(result.stdout.strip().splitlines()[-1]))
@@ -142,6 +178,14 @@ def long_contexts(args) -> list[dict]:
         print(f"{row['reading']:<16}{row['context']:>9}{row['prefill_tokens_per_s']:>15.1f}"
               f"{row['prefill_vs_llama']:>10.3f}{row['decode_tokens_per_s']:>14.2f}{row['decode_vs_llama']:>10.3f}"
               f"{row['decode_vs_own_first']:>14.3f}{row['peak_rss_mb']:>13.0f}{row['peak_rss_vs_llama_first']:>16.3f}")
+    print(f"\ndecoding side by side in each process (median of {args.repeats} alternating spells of {args.new} tokens): "
+          f"the reading at the context against itself at {args.long[0]} tokens, and LEX against Llama at the context")
+    print(f"{'reading':<16}{'context':>9}{'decode tok/s':>14}{'vs own first':>14}{'lex vs llama':>14}")
+    for row in rows:
+        side = row["side_by_side"]
+        lex_vs_llama = f"{side['lex_decode_vs_llama']:>14.3f}" if "lex_decode_vs_llama" in side else f"{'':>14}"
+        print(f"{row['reading']:<16}{row['context']:>9}{side['decode_tokens_per_s']['this']:>14.2f}"
+              f"{side['decode_vs_own_first']:>14.3f}{lex_vs_llama}")
     return rows
 
 
