@@ -41,8 +41,8 @@ ACTIVATIONS = {
 
 class LexRMSNorm(nn.Module):
     """RMSNorm as Llama computes it: normalised in float32, cast back, then scaled by the weight (torch's fused
-    rms_norm gives Llama's numbers without its three temporaries of the input's size; where no graph is recorded
-    and the dtypes agree, the weight scales the normalised tensor in place)."""
+    rms_norm gives Llama's numbers without its temporaries of the input's size; where the dtypes agree, the weight
+    scales the normalised tensor in place, which autograd records as it records the product)."""
 
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -51,8 +51,7 @@ class LexRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normalized = nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-        recorded = torch.is_grad_enabled() and (normalized.requires_grad or self.weight.requires_grad)
-        if recorded or normalized.dtype != self.weight.dtype:
+        if normalized.dtype != self.weight.dtype:  # a float32 weight on a lower-precision input: a float32 product
             return self.weight * normalized
         return normalized.mul_(self.weight)
 
@@ -89,10 +88,9 @@ class LexMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
-            hidden, up = self.act(self.gate_proj(x)), self.up_proj(x)
-            # Where no graph is recorded, the product is written over the activation: one tensor of the MLP's
-            # width fewer to allocate (of a prefill's, the largest).
-            hidden = hidden * up if hidden.requires_grad or up.requires_grad else hidden.mul_(up)
+            # The product is written over the activation, a tensor made here: one tensor of the MLP's width fewer
+            # to allocate (of a prefill's, the largest); autograd records it as it records the product.
+            hidden = self.act(self.gate_proj(x)).mul_(self.up_proj(x))
         else:
             hidden = self.fc1(x)
             hidden = self.act(hidden.float()).type_as(hidden)

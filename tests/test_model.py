@@ -378,9 +378,9 @@ def test_modern_backbone_equals_reference(backbone, kind, mode):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_norm_and_mlp_compute_llamas_numbers_in_place_or_not(dtype):
-    """RMSNorm (torch's fused kernel, the weight applied in place where no graph is recorded) and the gated MLP
-    (the product written over the activation there) give transformers' LlamaRMSNorm and LlamaMLP bit for bit, with
-    and without autograd, and the recorded forward gives Llama's gradients."""
+    """RMSNorm (torch's fused kernel, the weight applied in place) and the gated MLP (the product written over the
+    activation) give transformers' LlamaRMSNorm and LlamaMLP bit for bit, with and without autograd, and the
+    recorded forward gives Llama's gradients."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
