@@ -10,15 +10,15 @@ so prefill is the time to the first new token and decoding one over the median t
 1. At --context tokens (default 2,048), in one process and on the same tensors (`convert.hf.lex_from_hf` shares
    them): LlamaForCausalLM (SDPA) as published, LEX in full attention (the same computation), and LEX sliding and
    blockwise with window --window (default 1,024), with and without --sinks attention sinks. The models take
-   turns, --repeats rounds; the table keeps each one's median prefill and decoding tokens/s and its ratio to
-   Llama's.
+   turns, --repeats rounds, each round in its own order; the table keeps each one's median prefill and decoding
+   tokens/s, and the median over rounds of its ratio to Llama's in the same round.
 2. Long contexts (--long, default 2,048, 8,192 and 32,768 tokens): Llama as published and LEX sliding with
    --sinks sinks, each context and model in a fresh process, so that its peak RSS (VmHWM) is its own: prefill
    tokens/s, decoding tokens/s and peak RSS. Llama's cache and attention grow with the context; the window's
    stay at w - 1 + S keys. The decoding ratios are then measured side by side in the same process (processes
    run minutes apart, and a shared machine's speed drifts more than that between them): the reading at the
    context against itself at the first context (flat or falling), and Llama against LEX at the context, the
-   streams taking turns in spells of --new tokens, --repeats rounds.
+   streams taking turns in spells of --new tokens, --repeats rounds (median of each round's ratio).
 
     python benchmarks/real_checkpoint_speed.py [--context 2048] [--repeats 5] [--long 2048,8192,32768]
         [--threads 2] [--output real_checkpoint_speed.json]
@@ -26,6 +26,7 @@ so prefill is the time to the first new token and decoding one over the median t
 
 import argparse
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -91,6 +92,19 @@ def decode_spell(model, stream: dict, new: int) -> float:
     return 1 / statistics.median(clock.steps())
 
 
+def turns(names: list[str], rounds: int):
+    """The names in turn, `rounds` rounds, each round in its own order (a seeded shuffle): neither the place in a
+    round nor the run before (what it leaves behind in the allocator) favours any name."""
+    for round_ in range(rounds):
+        yield from random.Random(round_).sample(names, len(names))
+
+
+def paired_ratio(these: list[float], others: list[float]) -> float:
+    """The median over rounds of this round's rate over the other's: a drift of the machine's speed from one round
+    to the next moves both rates of a round alike and cancels, where a ratio of two medians keeps it."""
+    return statistics.median(this / other for this, other in zip(these, others))
+
+
 def side_by_side(args) -> dict:
     source = load_model(str(args.model))
     ids = prompt_ids(load_tokenizer(str(args.model)), args.context)
@@ -99,20 +113,18 @@ def side_by_side(args) -> dict:
         timed_generate(model, ids, 4)
     prefill = {name: [] for name in models}
     decode = {name: [] for name in models}
-    for _ in range(args.repeats):  # interleaved, so a busy spell of the machine hits every model alike
-        for name, model in models.items():
-            seconds, rate, _ = timed_generate(model, ids, args.new)
-            prefill[name].append(args.context / seconds)
-            decode[name].append(rate)
+    for name in turns(list(models), args.repeats):  # interleaved: a busy spell of the machine hits all alike
+        seconds, rate, _ = timed_generate(models[name], ids, args.new)
+        prefill[name].append(args.context / seconds)
+        decode[name].append(rate)
     rows = {name: {"prefill_tokens_per_s": statistics.median(prefill[name]), "prefill_all": prefill[name],
-                   "decode_tokens_per_s": statistics.median(decode[name]), "decode_all": decode[name]}
+                   "prefill_vs_llama": paired_ratio(prefill[name], prefill["llama"]),
+                   "decode_tokens_per_s": statistics.median(decode[name]), "decode_all": decode[name],
+                   "decode_vs_llama": paired_ratio(decode[name], decode["llama"])}
             for name in models}
-    for row in rows.values():
-        row["prefill_vs_llama"] = row["prefill_tokens_per_s"] / rows["llama"]["prefill_tokens_per_s"]
-        row["decode_vs_llama"] = row["decode_tokens_per_s"] / rows["llama"]["decode_tokens_per_s"]
     print(f"{args.model.name}, same weights, {args.context}-token prompt then {args.new} greedy tokens, window "
-          f"{args.window}, {args.sinks} sinks, {torch.get_num_threads()} threads; median of {args.repeats} "
-          "interleaved runs")
+          f"{args.window}, {args.sinks} sinks, {torch.get_num_threads()} threads; {args.repeats} interleaved "
+          "rounds in shuffled orders: median tokens/s, and the median of each round's ratio to Llama's")
     print(f"{'reading':<18}{'prefill tok/s':>15}{'vs llama':>10}{'decode tok/s':>14}{'vs llama':>10}")
     for name, row in rows.items():
         print(f"{name:<18}{row['prefill_tokens_per_s']:>15.1f}{row['prefill_vs_llama']:>10.3f}"
@@ -139,13 +151,13 @@ def one_context(args) -> dict:
         lex = reading(source, "sliding+sinks", args.window, args.sinks)
         streams["lex"] = (lex, timed_generate(lex, ids, 2)[2])
     spells = {name: [] for name in streams}
-    for _ in range(args.repeats):
-        for name, (stream_model, stream) in streams.items():
-            spells[name].append(decode_spell(stream_model, stream, args.new))
+    for name in turns(list(streams), args.repeats):
+        spells[name].append(decode_spell(*streams[name], args.new))
     rates = {name: statistics.median(values) for name, values in spells.items()}
-    row["side_by_side"] = {"decode_tokens_per_s": rates, "decode_vs_own_first": rates["this"] / rates["first"]}
+    row["side_by_side"] = {"decode_tokens_per_s": rates, "decode_all": spells,
+                           "decode_vs_own_first": paired_ratio(spells["this"], spells["first"])}
     if "lex" in rates:
-        row["side_by_side"]["lex_decode_vs_llama"] = rates["lex"] / rates["this"]
+        row["side_by_side"]["lex_decode_vs_llama"] = paired_ratio(spells["lex"], spells["this"])
     return row
 
 
@@ -178,8 +190,9 @@ def long_contexts(args) -> list[dict]:
         print(f"{row['reading']:<16}{row['context']:>9}{row['prefill_tokens_per_s']:>15.1f}"
               f"{row['prefill_vs_llama']:>10.3f}{row['decode_tokens_per_s']:>14.2f}{row['decode_vs_llama']:>10.3f}"
               f"{row['decode_vs_own_first']:>14.3f}{row['peak_rss_mb']:>13.0f}{row['peak_rss_vs_llama_first']:>16.3f}")
-    print(f"\ndecoding side by side in each process (median of {args.repeats} alternating spells of {args.new} tokens): "
-          f"the reading at the context against itself at {args.long[0]} tokens, and LEX against Llama at the context")
+    print(f"\ndecoding side by side in each process ({args.repeats} rounds of alternating spells of {args.new} tokens, "
+          f"median of each round's ratio): the reading at the context against itself at {args.long[0]} tokens, and "
+          "LEX against Llama at the context")
     print(f"{'reading':<16}{'context':>9}{'decode tok/s':>14}{'vs own first':>14}{'lex vs llama':>14}")
     for row in rows:
         side = row["side_by_side"]
