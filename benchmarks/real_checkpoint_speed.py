@@ -68,26 +68,29 @@ def reading(source, name: str, window: int, sinks: int):
 
 
 @torch.no_grad()
+def greedy(model, ids: torch.Tensor, new: int, cache=None) -> tuple[Clock, object]:
+    """One greedy generate() of `new` tokens after `ids` (continuing `cache` where given), stamped by a streamer."""
+    clock = Clock()
+    continued = {} if cache is None else {CACHE_NAME: cache}  # the installed transformers' name of the cache
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), **continued, max_new_tokens=new,
+                         min_new_tokens=new, do_sample=False, streamer=clock, pad_token_id=model.config.eos_token_id,
+                         return_dict_in_generate=True)
+    return clock, out
+
+
 def timed_generate(model, ids: torch.Tensor, new: int) -> tuple[float, float, dict]:
     """(prefill seconds, decoding tokens/s, the stream) of one greedy generate() of `new` tokens after `ids`: the
     time to the first new token, and one over the median time between the new tokens after it. The stream
     ({"ids", "cache"}) is what `decode_spell` continues."""
-    clock = Clock()
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                         do_sample=False, streamer=clock, pad_token_id=model.config.eos_token_id,
-                         return_dict_in_generate=True)
-    stream = {"ids": out.sequences, "cache": getattr(out, CACHE_NAME)}  # the installed transformers' name
+    clock, out = greedy(model, ids, new)
+    stream = {"ids": out.sequences, "cache": getattr(out, CACHE_NAME)}
     return clock.stamps[1] - clock.stamps[0], 1 / statistics.median(clock.steps()), stream
 
 
-@torch.no_grad()
 def decode_spell(model, stream: dict, new: int) -> float:
     """Decoding tokens/s of `new` more greedy tokens of a stream `timed_generate` read, continued in place: one over
     the median time between its tokens."""
-    clock = Clock()
-    out = model.generate(stream["ids"], attention_mask=torch.ones_like(stream["ids"]), **{CACHE_NAME: stream["cache"]},
-                         max_new_tokens=new, min_new_tokens=new, do_sample=False, streamer=clock,
-                         pad_token_id=model.config.eos_token_id, return_dict_in_generate=True)
+    clock, out = greedy(model, stream["ids"], new, stream["cache"])
     stream["ids"] = out.sequences
     return 1 / statistics.median(clock.steps())
 
@@ -140,6 +143,7 @@ def one_context(args) -> dict:
     source = load_model(str(args.model))
     ids = prompt_ids(load_tokenizer(str(args.model)), args.one_context)
     model = reading(source, args.one_reading, args.window, args.sinks)
+    del source  # a converted model's peak RSS holds no tensor of the source it no longer uses (its q/k projections)
     timed_generate(model, ids[:, :64], 2)  # warm-up
     began = time.perf_counter()
     prefill, rate, stream = timed_generate(model, ids, args.new)
@@ -148,7 +152,7 @@ def one_context(args) -> dict:
            "seconds": time.perf_counter() - began, "peak_rss_mb": peak_rss_mb()}
     streams = {"this": (model, stream), "first": (model, timed_generate(model, ids[:, : args.long[0]], 2)[2])}
     if args.one_reading == "llama":
-        lex = reading(source, "sliding+sinks", args.window, args.sinks)
+        lex = reading(model, "sliding+sinks", args.window, args.sinks)  # model is the source here
         streams["lex"] = (lex, timed_generate(lex, ids, 2)[2])
     spells = {name: [] for name in streams}
     for name in turns(list(streams), args.repeats):
