@@ -11,10 +11,11 @@ followed by its window part; between forwards that is at most
     cache keeps the union of what the rows need, still at most w - 1;
   - sliding: S + the last w - 1;
   - full: everything (the ordinary unbounded cache; no sink slots).
-The bookkeeping (documents, positions, what to keep, rollback) is `stream.Stream`'s: each forward's `StreamStep`
-says what the layers keep, and every layer's `update(key, value, layer_idx, step)` is handed it, as Llama's
-layers are handed their `layer_idx`. A cache only stores keys and values as the step says. Two caches share that
-contract:
+The bookkeeping (documents, positions, what to keep, rollback) is `stream.Stream`'s: each forward's record
+(record.py) says what the layers keep. A cache's state changes in one place: each layer's `update(key, value,
+layer_idx, cache_kwargs)` returns what attention reads and changes nothing held; after the last layer,
+`commit(record)` keeps what the record says in every layer and moves the stream on. So a forward that raises
+leaves the cache as it was, and reading `keys`/`values` changes nothing. Two caches share that contract:
 
 - `LexCache` (generate()'s default) grows and shrinks. While recording the past (assisted and prompt-lookup
   decoding) it also holds the tokens a later `crop` may remove: those read since the last crop whose logits the
@@ -31,8 +32,10 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer, StaticCache
 
 from .generation import init_cache_layers
-from .stream import Stream, StreamStep, _mark_static
+from .record import ForwardRecord
+from .stream import Stream, _mark_static
 from .visibility import sink_count
+from .xpos import apply_rotary
 
 
 def _gather_columns(x: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
@@ -56,21 +59,23 @@ def _move(source: torch.Tensor, begin: int, end: int, target: torch.Tensor, at: 
 
 
 class LexCacheLayer(DynamicLayer):
-    """One layer's raw keys and values: the sink slots (none before the first dropped key), then the window part.
+    """One layer's raw keys and values: the sink slots (none before the first dropped key), then the window part,
+    in a buffer with room to grow around them; `keys` and `values` are views of what is held.
 
-    They live in buffers with room to grow, `keys` and `values` being views of what is held, so a forward writes its
-    new keys in place where DynamicLayer's torch.cat copies every held key at every step (a tenth of a decoding
-    step of SmolLM2-135M at 2k tokens of context). `update` returns the held keys with the new ones; what the
-    forward's step says to keep (the sink slots' new contents, the last `keep` window keys) is applied at the next
-    access, once attention has read them. The sink slots are kept apart (`_sinks`) and copied in front of the
-    window part for each forward: attention may write over that copy (it turns the sink keys into their frame
-    there, kernels.py), so the keys and values a forward reads are one contiguous span. Under autograd the buffers
-    are never written in place."""
+    A forward's `update` writes the new keys after the window part, in place where DynamicLayer's torch.cat copies
+    every held key at every step (a tenth of a decoding step of SmolLM2-135M at 2k tokens of context), and returns
+    the sink slots, the window part and the new keys as one contiguous span for attention to read. That changes
+    nothing held: `commit` does, with the record's sink slots and last `keep` window keys. A decoding step that
+    sees its sinks in the cache's frame (RoPE) reads them rotated by `sink_rotation`, which `update` writes over
+    the buffer's copy of the sink slots (kernels.py never writes a tensor the cache returned); the slots' raw
+    contents are kept apart (`_sinks`) and written back at `commit`, and until then `keys` reads them from there.
+    Under autograd the buffers are never written in place."""
 
     def __init__(self) -> None:
-        self._spans: list[tuple[torch.Tensor, int, int] | None] = [None, None]  # keys, values: (buffer, begin, end)
-        self._sinks: list[torch.Tensor | None] = [None, None]  # keys, values of the sink slots (B, H, S, d)
-        self._pending: tuple[int, int | None] | None = None  # sink slots the forward read, window keys to keep
+        self._window: list[tuple[torch.Tensor, int, int] | None] = [None, None]  # keys, values: (buffer, begin, end)
+        self._sinks: list[torch.Tensor | None] = [None, None]  # raw keys, values of the sink slots (B, H, S, d)
+        self._rotated = False  # the buffer's copy of the sink keys is rotated (between update and commit)
+        self._joined: list[torch.Tensor | None] = [None, None]  # under autograd: the window part and the new keys
         super().__init__()
 
     @property
@@ -89,94 +94,127 @@ class LexCacheLayer(DynamicLayer):
     def values(self, tensor: torch.Tensor | None) -> None:
         self._set(1, tensor)
 
+    def _slots(self, which: int) -> int:
+        sinks = self._sinks[which]
+        return 0 if sinks is None else sinks.shape[2]
+
     def _held(self, which: int) -> torch.Tensor | None:
-        self._settle()
-        span = self._spans[which]
-        return None if span is None else span[0][:, :, span[1] : span[2]]
+        """The sink slots followed by the window part, raw (a view of the buffer, a new tensor while rotated)."""
+        span = self._window[which]
+        if span is None:
+            return None
+        buffer, begin, end = span
+        if which == 0 and self._rotated:
+            return torch.cat([self._sinks[0], buffer[:, :, begin:end]], dim=2)
+        return buffer[:, :, begin - self._slots(which) : end]
 
     def _set(self, which: int, tensor: torch.Tensor | None) -> None:
         """A tensor set from outside (beam reordering, batch selection, offloading) becomes the buffer, its first
         columns the sink slots."""
-        self._settle()
-        self._spans[which] = None if tensor is None else (tensor, 0, tensor.shape[2])
-        sinks = self._sinks[which]
-        self._sinks[which] = None if tensor is None or sinks is None else tensor[:, :, : sinks.shape[2]].clone()
+        count = 0 if tensor is None else self._slots(which)
+        self._sinks[which] = tensor[:, :, :count].clone() if count else None
+        self._window[which] = None if tensor is None else (tensor, count, tensor.shape[2])
+        if which == 0:
+            self._rotated = False
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         self.is_initialized = True
 
     def get_seq_length(self) -> int:
-        span = self._spans[0]
-        return 0 if span is None else span[2] - span[1]
+        span = self._window[0]
+        return 0 if span is None else span[2] - span[1] + self._slots(0)
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, step: StreamStep, *args, **kwargs
+        self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs: dict, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        self._settle()
+        """The sink slots, the window part and the new keys (and values), as attention reads them."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        held = self._append(0, key_states), self._append(1, value_states)
-        if step.sink_source is not None:  # the slots' next contents, taken before attention reads (and rotates)
-            self._sinks = [_gather_columns(x, step.sink_source) for x in held]
-        self._pending = (step.context.sink_index.shape[1], step.keep)
-        return held
+        return self._span(0, key_states, cache_kwargs.get("sink_rotation")), self._span(1, value_states, None)
 
-    def _append(self, which: int, new: torch.Tensor) -> torch.Tensor:
-        """The held part followed by `new`: written after it in place when the buffer has room after it, else
-        with the held part moved to the front of the buffer (a window's buffer, once it has room for the window,
-        is never replaced) or of a new one with room to grow; concatenated under autograd."""
-        span = self._spans[which]
-        if span is None:
-            span = (new[:, :, :0], 0, 0)
-        buffer, begin, end = span
-        length = end - begin + new.shape[2]
+    def _span(self, which: int, new: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
+        """The sink slots (rotated by `rotation`), the window part and `new` as one span: `new` written after the
+        window part (where there is no room, the sink slots and the window part move, to the front of the buffer
+        or of a new one with room to grow; what they hold stays the same); concatenated under autograd."""
+        sinks, count = self._sinks[which], self._slots(which)
+        front = sinks if rotation is None else apply_rotary(sinks, rotation)
+        buffer, begin, end = self._window[which] or (new[:, :, :0], 0, 0)
         if new.requires_grad or buffer.requires_grad:
-            buffer, begin, end = torch.cat([buffer[:, :, begin:end], new], dim=2), 0, length
-        else:
-            if end + new.shape[2] > buffer.shape[2]:  # no room after the held part: it moves to the front
-                room = buffer if length <= buffer.shape[2] else _with_room(new, length)  # (of a larger buffer)
-                _move(buffer, begin, end, room, 0)
-                buffer, begin, end = room, 0, end - begin
-            buffer[:, :, end : end + new.shape[2]] = new
-            end += new.shape[2]
-        self._spans[which] = (buffer, begin, end)
-        return buffer[:, :, begin:end]
+            self._joined[which] = torch.cat([buffer[:, :, begin:end], new], dim=2)
+            return self._joined[which] if sinks is None else torch.cat([front, self._joined[which]], dim=2)
+        stop = end + new.shape[2]
+        rewrite = rotation is not None or (which == 0 and self._rotated)
+        if stop > buffer.shape[2]:  # no room after the window part
+            length = count + stop - begin
+            room = buffer if length <= buffer.shape[2] else _with_room(new, length)
+            _move(buffer, begin, end, room, count)
+            buffer, begin, end, stop, rewrite = room, count, count + end - begin, length, True
+            self._window[which] = (buffer, begin, end)
+        buffer[:, :, end:stop] = new
+        if count and rewrite:
+            buffer[:, :, begin - count : begin] = front
+        if which == 0:
+            self._rotated = rotation is not None
+        return buffer[:, :, begin - count : stop]
 
-    def _settle(self) -> None:
-        """Apply what the last update's step said to keep: the sink slots (their copy written again, over whatever
-        attention made of it) right before the last `keep` window keys."""
-        if self._pending is None:
+    def commit(self, record: ForwardRecord) -> None:
+        """Hold what the record says: the sink slots' new contents (taken from the raw keys the forward read, sink
+        slots first), then the last `keep` keys of the window part with the forward's new keys."""
+        if not self.is_initialized:
             return
-        sink_slots, keep = self._pending
-        self._pending = None
-        for which, (buffer, begin, end) in enumerate(self._spans):
-            first = begin + sink_slots if keep is None else end - keep  # the first window key kept
+        for which in (0, 1):
+            joined, self._joined[which] = self._joined[which], None
             sinks = self._sinks[which]
-            count = 0 if sinks is None else sinks.shape[2]
-            if buffer.requires_grad:
-                window = buffer[:, :, first:end]
-                buffer = window if sinks is None else torch.cat([sinks, window], dim=2)
-                first, end = count, buffer.shape[2]
-            elif first < count:  # no room before the window (its first dropped key): the window part moves up
-                length = count + end - first
-                room = buffer if length <= buffer.shape[2] else _with_room(buffer, length)
-                _move(buffer, first, end, room, count)
-                buffer, first, end = room, count, length
-            if count and not buffer.requires_grad:
-                buffer[:, :, first - count : first] = sinks
-            begin = first - count
-            self._spans[which] = (buffer, begin, end)
+            if joined is not None:  # autograd: the concatenated span
+                buffer, begin, end = joined, 0, joined.shape[2]
+                read = joined if sinks is None else torch.cat([sinks, joined], dim=2)
+            else:
+                buffer, begin, end = self._window[which]
+                end += record.new_tokens
+                read = self._raw(which, buffer, begin, end)
+            if record.sink_source is not None:
+                sinks = _gather_columns(read, record.sink_source)
+            first = begin if record.keep is None else end - record.keep
+            self._hold(which, buffer, first, end, sinks, rewrite=record.sink_source is not None or first != begin)
+        self._rotated = False
 
-    def keep_window(self, sink_slots: int, keep: int) -> None:
-        self._settle()
-        self._pending = (sink_slots, keep)
-        self._settle()
+    def _raw(self, which: int, buffer: torch.Tensor, begin: int, end: int) -> torch.Tensor:
+        """buffer[begin:end] with the raw sink slots in front (from the buffer, or kept apart while it is rotated)."""
+        if which == 0 and self._rotated:
+            return torch.cat([self._sinks[0], buffer[:, :, begin:end]], dim=2)
+        return buffer[:, :, begin - self._slots(which) : end]
+
+    def _hold(self, which: int, buffer: torch.Tensor, first: int, end: int, sinks: torch.Tensor | None,
+              rewrite: bool) -> None:
+        """Hold buffer[first:end] as the window part with `sinks` as the sink slots, written right before it (the
+        window part moves up where there is no room before it: the first dropped key; concatenated under
+        autograd)."""
+        count = 0 if sinks is None else sinks.shape[2]
+        if buffer.requires_grad:
+            window = buffer[:, :, first:end]
+            buffer = window if sinks is None else torch.cat([sinks, window], dim=2)
+            first, end, rewrite = count, buffer.shape[2], False
+        elif first < count:
+            length = count + end - first
+            room = buffer if length <= buffer.shape[2] else _with_room(buffer, length)
+            _move(buffer, first, end, room, count)
+            buffer, first, end, rewrite = room, count, length, True
+        if count and (rewrite or (which == 0 and self._rotated)):
+            buffer[:, :, first - count : first] = sinks
+        self._sinks[which] = sinks
+        self._window[which] = (buffer, first, end)
+
+    def keep_window(self, keep: int) -> None:
+        """Hold only the last `keep` keys of the window part (a crop)."""
+        for which, span in enumerate(self._window):
+            if span is not None:
+                buffer, begin, end = span
+                self._hold(which, buffer, end - keep, end, self._sinks[which], rewrite=end - keep != begin)
 
     def drop_latest(self, count: int) -> None:
-        self._settle()
         if count and self.is_initialized:
-            self._spans = [(buffer, begin, end - count) for buffer, begin, end in self._spans]
+            self._window = [(buffer, begin, end - count) for buffer, begin, end in self._window]
 
 
 class LexCache(DynamicCache):
@@ -208,10 +246,19 @@ class LexCache(DynamicCache):
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return self.stream.sink_slots + self.held + query_length, self.seen - self.held
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, step: StreamStep,
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs: dict,
                *args, **kwargs):
-        """The keys and values attention sees (sink slots first); the layer keeps what `step` says."""
-        return self.layers[layer_idx].update(key_states, value_states, step)
+        """The keys and values attention reads (sink slots first); what the layer holds changes at `commit`.
+        `cache_kwargs` (the plan's, as Llama's layers pass theirs): the forward's `record` and the `sink_rotation`
+        of the sink slots' copy, if any."""
+        return self.layers[layer_idx].update(key_states, value_states, cache_kwargs)
+
+    def commit(self, record: ForwardRecord) -> None:
+        """After the last layer of the record's forward: every layer holds what the record says, and the stream
+        moves on."""
+        for layer in self.layers:
+            layer.commit(record)
+        self.stream.commit(record)
 
     @property
     def is_croppable(self) -> bool:
@@ -247,7 +294,7 @@ class LexCache(DynamicCache):
         keep = self.stream.shrink()
         for layer in self.layers:
             if layer.is_initialized:
-                layer.keep_window(self.stream.sink_slots, keep)
+                layer.keep_window(keep)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
@@ -286,17 +333,27 @@ class LexStaticLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, step: StreamStep, *args, **kwargs
+        self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs: dict, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slots followed by the new keys (and values), as new tensors; the slots are written at `commit`."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        keys = torch.cat([self.keys, key_states], dim=-2)
-        values = torch.cat([self.values, value_states], dim=-2)
-        for buffer, x in ((self.keys, keys), (self.values, values)):
-            if step.sink_source is not None:
-                buffer[:, :, : self.sink_slots].copy_(_gather_columns(x, step.sink_source))
-            buffer[:, :, self.sink_slots :].copy_(x[:, :, x.shape[2] - self.window_slots :])
-        return keys, values
+        self._joined = torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+        keys, rotation = self._joined[0], cache_kwargs.get("sink_rotation")
+        if rotation is not None:  # the sinks seen in the cache's frame: a rotated copy, the slots stay raw
+            keys = torch.cat([apply_rotary(keys[:, :, : self.sink_slots], rotation), keys[:, :, self.sink_slots :]],
+                             dim=2)
+        return keys, self._joined[1]
+
+    def commit(self, record: ForwardRecord) -> None:
+        """Write the slots in place: the sink slots' new contents where the record says, the latest window keys."""
+        if not self.is_initialized:
+            return
+        for buffer, joined in zip((self.keys, self.values), self._joined):
+            if record.sink_source is not None:
+                buffer[:, :, : self.sink_slots].copy_(_gather_columns(joined, record.sink_source))
+            buffer[:, :, self.sink_slots :].copy_(joined[:, :, joined.shape[2] - self.window_slots :])
+        self._joined = None
 
     def get_seq_length(self) -> int:
         return self.sink_slots + self.window_slots
@@ -345,10 +402,16 @@ class LexStaticCache(StaticCache):
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return self.sink_slots + self.window_slots + query_length, 0
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, step: StreamStep,
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs: dict,
                *args, **kwargs):
-        """The keys and values attention sees (sink slots first), written in place as `step` says."""
-        return self.layers[layer_idx].update(key_states, value_states, step)
+        """The keys and values attention reads (sink slots first); the slots are written at `commit`."""
+        return self.layers[layer_idx].update(key_states, value_states, cache_kwargs)
+
+    def commit(self, record: ForwardRecord) -> None:
+        """After the last layer of the record's forward: every layer writes its slots, the stream moves on."""
+        for layer in self.layers:
+            layer.commit(record)
+        self.stream.commit(record)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)

@@ -56,7 +56,7 @@ def _tile_inputs(tile: Tile, sink_slots: int, query, key, value):
     if tile.query_slots is not None:
         return _chunks(query, tile.query_slots), _chunks(key, tile.key_columns), _chunks(value, tile.key_columns)
     keys = slice(sink_slots + tile.key_slice.start, sink_slots + tile.key_slice.stop)
-    if tile.sinks_in_slots:  # the sink columns are the cache's sink slots, just before its window part: no copy
+    if tile.sinks_in_slots:  # the sink columns are the cache's copy of its sink slots, before its window part
         keys = slice(0, keys.stop)
     q, k, v = query[:, :, tile.query_slice], key[:, :, keys], value[:, :, keys]
     if tile.sink_columns is not None and not tile.sinks_in_slots:
@@ -109,7 +109,8 @@ def run_attention(
 
     `interface` is the attention backend (eager, sdpa, ...) with transformers' attention-interface signature; the
     caller's `kwargs` pass through to it, as in modeling_llama. Returns the output (B, T, H, d) and, when the
-    plan keeps them, the attention weights as a map over the keys.
+    plan keeps them, the attention weights as a map over the keys. The keys and values are read, never written:
+    they may be views of the cache's buffers.
     """
     batch, _, total, _ = query.shape
     outputs, weights = [], None
@@ -120,8 +121,9 @@ def run_attention(
             q, k = apply_rotary(given, tile.factors[0]), apply_rotary(k, tile.factors[1])
         if tile.sink_query_factors is not None:
             q, k, v = _meet_sinks_in_their_frame(q, apply_rotary(given, tile.sink_query_factors), k, v, tile.n_sinks)
-        if tile.sink_key_rotation is not None:  # k is this tile's own copy there (_tile_inputs)
-            k[:, :, : tile.n_sinks] = apply_rotary(k[:, :, : tile.n_sinks], tile.sink_key_rotation)
+        if tile.sink_key_rotation is not None and not tile.sinks_in_slots:  # the cache rotated its slots' copy
+            k = torch.cat([apply_rotary(k[:, :, : tile.n_sinks], tile.sink_key_rotation), k[:, :, tile.n_sinks :]],
+                          dim=2)
         mask = tile.mask
         bias = None if tile.distance is None else module.learned_bias(tile.distance).to(q.dtype)
         out, weights = interface(

@@ -1,8 +1,6 @@
-"""What each query sees, as data: the caller's mask and position ids read into the stream, and the attention plan.
+"""What each query sees, as data: the attention plan, a pure function of one forward's record (record.py).
 
-`read_stream` is the one place a forward's `StreamStep` comes from (stream.py): a LEX cache's own stream, or a
-stream made for this forward, with the caller's 2D padding mask or own 4D mask. `build_plan` turns the step into an
-`AttentionPlan` once per forward: which keys each query may see (the window and sink rules of visibility.py,
+`build_plan` turns the record into an `AttentionPlan` once per forward: which keys each query may see (the window and sink rules of visibility.py,
 causal order, padding and document boundaries, as one additive mask) and the position terms of queries and keys
 relative to an anchor inside each window, tile by tile. Every layer then runs the same plan on its own q, k, v
 (kernels.py):
@@ -20,116 +18,20 @@ rule says which queries see them. Every other query of a tile belongs to a docum
 whose first tokens are inside its window.
 
 No decision here reads tensor contents on the host: what needs a Python value comes from shapes or from
-`StreamStep.plain` / `.aligned`, which the stream sets from what the caller passed. So the forward compiles
-without graph breaks.
+`ForwardRecord.plain` / `.aligned`, which the stream sets from what the caller passed. So the forward compiles
+without graph breaks. Nothing here imports the cache or the stream: the plan changes no state.
 """
 
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache
 
-from .cache import LEX_CACHES
 from .positions import PositionMethod
-from .stream import AttentionContext, Stream, StreamStep
+from .record import AttentionContext, ForwardRecord
 from .visibility import (
     chunk_map, locate_in_window, seen_as_sink, sink_count, sink_frame, sink_indices, window_visible,
 )
 from .xpos import apply_rotary, inverse_rotation
-
-
-def read_stream(
-    config,
-    batch: int,
-    length: int,
-    device: torch.device,
-    attention_mask: torch.Tensor | None,
-    position_ids: torch.Tensor | None,
-    cache: Cache | None,
-) -> StreamStep:
-    """The one place a forward's `StreamStep` comes from: a LEX cache's own stream, or a stream made for this
-    forward (no cache, or a transformers cache that holds every past key contiguously), or a caller's 4D mask.
-
-    `attention_mask` is 2D, over the new tokens or over past and new ones (padding: 0), or 4D (B, 1, T, T).
-    """
-    if attention_mask is not None and attention_mask.dim() == 4:
-        return _custom_mask_step(config, batch, length, device, attention_mask, position_ids, cache)
-    lex_cache = isinstance(cache, LEX_CACHES)
-    compiling = torch.compiler.is_compiling()
-    seen = 0 if cache is None or lex_cache else cache.get_seq_length()
-    if attention_mask is not None:
-        past = attention_mask.shape[-1] - length
-        known = int(cache.stream.seen) if lex_cache and not compiling else seen
-        if attention_mask.dim() == 2 and not compiling and known == 0 and (attention_mask.shape[0] != batch or past):
-            raise ValueError(  # generate()'s first forward: the prompt
-                f"attention_mask has shape {tuple(attention_mask.shape)} but the prompt has {(batch, length)}; "
-                "a forward without cached tokens needs one mask entry per input token"
-            )
-        if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or (
-            not compiling and past not in (0, known)
-        ):
-            raise ValueError(
-                f"attention_mask must have shape ({batch}, {length}) or ({batch}, {known + length}) "
-                f"(new tokens, or past and new), got {tuple(attention_mask.shape)}"
-            )
-        mask = attention_mask.to(device=device, dtype=torch.bool)
-    else:
-        mask = torch.ones(batch, length, dtype=torch.bool, device=device)
-    caller_plain = _plain_input(mask if attention_mask is not None else None, position_ids, length, compiling)
-    if lex_cache:
-        return cache.stream.step(position_ids, mask[:, -length:], caller_plain)
-    # A stream for this forward: the past a foreign cache holds (contiguous, real unless the mask says padding),
-    # then the new tokens.
-    stream = Stream(config, sinks=0, unbounded=True)
-    if position_ids is None and mask.shape[1] == seen + length:
-        position_ids = ((mask.long().cumsum(-1) - 1).masked_fill(~mask, 1))[:, -length:]
-    if seen:
-        first = position_ids[:, :1] if position_ids is not None else torch.full((batch, 1), seen, device=device)
-        past_valid = mask[:, :seen] if mask.shape[1] == seen + length else mask.new_ones(batch, seen)
-        stream.step(first.to(device) - seen + torch.arange(seen, device=device), past_valid, False)
-    return stream.step(position_ids, mask[:, -length:], caller_plain and seen == 0)
-
-
-def _plain_input(mask: torch.Tensor | None, position_ids: torch.Tensor | None, length: int, compiling: bool) -> bool:
-    """Whether the caller's mask and position ids say no more than their absence would: no padding, and positions
-    counting from 0. generate() passes both on every forward; read on the host as Llama's mask creation reads its
-    padding mask (`_ignore_causal_mask_sdpa`), so that a plain prompt runs plain causal attention (SDPA's causal
-    kernel with grouped key/value heads, no mask). Compiled: only their absence counts (no host read)."""
-    if compiling:
-        return mask is None and position_ids is None
-    if mask is not None and not bool(mask.all()):
-        return False
-    if position_ids is None:
-        return True
-    return bool((position_ids == torch.arange(length, device=position_ids.device)).all())
-
-
-def _custom_mask_step(
-    config, batch: int, length: int, device: torch.device, attention_mask: torch.Tensor,
-    position_ids: torch.Tensor | None, cache: Cache | None,
-) -> StreamStep:
-    """A caller's own (B, 1, T, T) mask (e.g. a shared prefix with branches): it says which keys each query sees,
-    on top of causality and the window; documents are not inferred from position ids then."""
-    if cache is not None and cache.get_seq_length():
-        raise ValueError("a 4D attention_mask is supported on a forward without cached tokens (an empty or no cache)")
-    if attention_mask.shape != (batch, 1, length, length) and attention_mask.shape != (1, 1, length, length):
-        raise ValueError(
-            f"a 4D attention_mask must have shape ({batch}, 1, {length}, {length}), got {tuple(attention_mask.shape)}"
-        )
-    allowed = attention_mask.to(device).bool() if attention_mask.dtype in (torch.bool, torch.long, torch.int) else (
-        attention_mask.to(device) == 0  # additive: 0 where allowed, the dtype's minimum elsewhere
-    )
-    if position_ids is None:
-        position_ids = torch.arange(length, device=device)
-    position_ids = position_ids.to(device).expand(batch, length)
-    valid = torch.ones(batch, length, dtype=torch.bool, device=device)
-    stream = cache.stream if isinstance(cache, LEX_CACHES) else Stream(config, sinks=0, unbounded=True)
-    step = stream.step(position_ids, valid, False)
-    context = step.context
-    context.document_start = torch.zeros_like(context.document_start)  # one document: the mask says the rest
-    context.allowed = allowed.expand(batch, -1, -1, -1)
-    return StreamStep(context, step.keep, step.sink_source, plain=False, aligned=False)
-
 
 
 @dataclass
@@ -157,21 +59,23 @@ class Tile:
     # A dense tile of one query per row (a decoding step) under per-token RoPE: the sink keys rotated back by the
     # query's shift instead (R(a)q . k = q . R(-a)k), so no second copy of the query is needed: these are the
     # factors of R(-a), which the kernel applies to the tile's copy of the sink keys. Where the sink columns are the
-    # cache's own sink slots (`sinks_in_slots`), that copy is the one the cache puts before its window part for
-    # each forward (cache.py), and the tile reads keys and values in place, without a mask.
+    # cache's own sink slots (`sinks_in_slots`), the cache applies them instead, to the copy of its sink slots it
+    # puts before its window part (`AttentionPlan.cache_kwargs`, cache.py), and the tile reads the keys and values
+    # the cache returned as one span, without a mask.
     sink_key_rotation: torch.Tensor | None = None
     sinks_in_slots: bool = False
 
 
 @dataclass
 class AttentionPlan:
-    """What every layer of one forward runs: the tiles, and the step whose keys the cache's layers keep."""
+    """What every layer of one forward runs: the tiles, and what each layer hands its cache with its keys."""
 
-    step: StreamStep
+    record: ForwardRecord
     tiles: list[Tile]
-    sink_slots: int  # S': the cache's sink slots, which come first among the keys it returns
+    sink_slots: int  # the cache's sink slots, which come first among the keys it returns
     attention_maps: bool = False  # one dense tile over every key, whose weights are the full attention map
     token_factors: torch.Tensor | None = None  # (B, 1, T, d): per-token encodings (RoPE)
+    cache_kwargs: dict | None = None  # the record, and the rotation of the cache's copy of its sink slots (if any)
 
     def encode_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """The new tokens' queries or keys (B, H, T, d) encoded at their own positions, for methods that are
@@ -385,28 +289,28 @@ def _uniform_chunked_tile(
 
 
 def build_plan(
-    config, position_method: PositionMethod, step: StreamStep, dtype: torch.dtype, attention_maps: bool = False
+    config, position_method: PositionMethod, record: ForwardRecord, dtype: torch.dtype, attention_maps: bool = False
 ) -> AttentionPlan:
     """Choose the tiles for this forward. For n <= w all modes are the same computation (one causal tile).
 
     `attention_maps`: one dense tile over every key (O(T * keys) memory, the caller's choice), so each layer's
     attention weights are the full (batch, heads, T, keys) map.
     """
-    ctx = step.context
+    ctx = record.context
     total, n_keys = ctx.query_positions.shape[1], ctx.key_positions.shape[1]
     window = config.attention_window
-    plan = AttentionPlan(step, [], ctx.sink_index.shape[1], attention_maps)
+    plan = AttentionPlan(record, [], record.sink_slots, attention_maps)
     if position_method.per_token:
         plan.token_factors = position_method.token_factors(ctx.query_positions).unsqueeze(1)
     if total <= window or attention_maps or ctx.allowed is not None:  # a 4D mask is O(T * K) already
-        plain = step.plain and not attention_maps
+        plain = record.plain and not attention_maps
         plan.tiles = [_dense_tile(config, position_method, ctx, slice(0, total), slice(0, n_keys), dtype, plain)]
     elif config.attention_mode != "full":
-        if step.plain and step.aligned and not sink_count(config):  # w queries plainly causal, then one pattern
+        if record.plain and record.aligned and not sink_count(config):  # w queries plainly causal, then one pattern
             first = _dense_tile(config, position_method, ctx, slice(0, window), slice(0, window), dtype, plain=True)
             plan.tiles = [first, _uniform_chunked_tile(config, position_method, ctx, dtype, window)]
         else:
-            plan.tiles = [_chunked_tile(config, position_method, ctx, dtype, step.aligned)]
+            plan.tiles = [_chunked_tile(config, position_method, ctx, dtype, record.aligned)]
     else:
         cached = n_keys - total
         plan.tiles = [
@@ -414,7 +318,9 @@ def build_plan(
                         slice(0, cached + min(start + window, total)), dtype, plain=False)
             for start in range(0, total, window)
         ]
+    in_slots = plan.tiles[0].sinks_in_slots
+    plan.cache_kwargs = {"record": record, "sink_rotation": plan.tiles[0].sink_key_rotation if in_slots else None}
     return plan
 
 
-__all__ = ["AttentionPlan", "Tile", "build_plan", "read_stream"]
+__all__ = ["AttentionPlan", "Tile", "build_plan"]

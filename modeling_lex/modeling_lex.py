@@ -28,8 +28,9 @@ from configuration_lex.configuration_lex import LexConfig
 
 from .cache import LEX_CACHES, LexCache, LexStaticCache
 from .generation import CACHE_NAME, LexGenerationMixin, accepts_both_cache_names, cache_field
+from .inputs import begin_forward
 from .kernels import eager_attention_forward, run_attention
-from .masking import AttentionPlan, build_plan, read_stream
+from .masking import AttentionPlan, build_plan
 from .positions import position_method
 from .xpos import sinusoidal_embedding
 
@@ -142,7 +143,7 @@ class LexAttention(nn.Module):
         value = self.v_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
         query, key = plan.encode_tokens(query), plan.encode_tokens(key)
         if cache is not None:
-            key, value = cache.update(key, value, self.layer_idx, plan.step)
+            key, value = cache.update(key, value, self.layer_idx, plan.cache_kwargs)
         dropout = self.config.attention_dropout if self.training else 0.0
         interface = eager_attention_forward
         if not plan.attention_maps:  # maps come from the eager computation, whatever the backend
@@ -273,14 +274,16 @@ class LexModel(LexPreTrainedModel):
             raise ValueError("the input is empty: input_ids/inputs_embeds must hold at least one token")
         if use_cache and cache is None:
             cache = LexCache(self.config)
-        step = read_stream(self.config, *reference.shape[:2], self.embed_tokens.weight.device, attention_mask,
-                           position_ids, cache)
+        record = begin_forward(self.config, *reference.shape[:2], self.embed_tokens.weight.device, attention_mask,
+                               position_ids, cache)
         maps = kwargs.get("output_attentions", self.config.output_attentions)
-        plan = build_plan(self.config, self.position_method, step, self.embed_tokens.weight.dtype,
+        plan = build_plan(self.config, self.position_method, record, self.embed_tokens.weight.dtype,
                           attention_maps=bool(maps))
-        hidden_states = self.embed(input_ids, inputs_embeds, step.context.query_positions)
+        hidden_states = self.embed(input_ids, inputs_embeds, record.context.query_positions)
         for layer in self.layers:
             hidden_states = layer(hidden_states, plan=plan, cache=cache, **kwargs)
+        if isinstance(cache, LEX_CACHES):  # every layer ran: the cache keeps what the record says
+            cache.commit(record)
         if self.norm is not None:
             hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, **cache_field(cache))

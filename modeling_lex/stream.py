@@ -4,48 +4,27 @@ A stream is what a model has read so far, row by row; token i of every row has s
 with padding and may hold several documents: a real token whose position id does not continue the previous real
 token's starts a new one (padding-free packing), and a document sees nothing before it.
 
-`Stream.step` turns the tokens of one forward into a `StreamStep`, the one record the attention plan reads:
-where the keys come from and which documents the queries belong to (`AttentionContext`), how many window keys
-the cache holds afterwards and where its sink slots' new contents come from (what a cache's layers store, handed to
-them as an argument), and whether plain causal attention is exact. It is the same code for every cache and
-for none: LexCache and LexStaticCache keep a `Stream` between forwards; a forward without a cache, or with a
-transformers cache that holds every past key, reads through a `Stream` made for that forward.
+`Stream.begin` turns the tokens of one forward into its `ForwardRecord` (record.py, where the shared terms are
+written down), changing nothing: where the keys come from and which documents the queries belong to, how many
+window keys the cache holds afterwards (`keep`, the keep policy), where its sink slots' new contents come from
+(the sink bookkeeping), and the stream's metadata after the forward. `Stream.commit` stores that metadata once
+every layer has run. It is the same code for every cache and for none: LexCache and LexStaticCache keep a
+`Stream` between forwards; a forward without a cache, or with a transformers cache that holds every past key,
+reads through a `Stream` made for that forward.
 
 A `Stream` holds, per key of the window part (oldest first, consecutive stream indices), its position id,
 whether it is a real token, and the stream's state after it, so that `roll_back` returns exactly to any earlier
-point it still holds (assisted decoding); and per row the `attention_sinks` sink slots, the first S tokens of the
-row's current document, kept after the window has moved past them.
+point it still holds (assisted decoding, the rollback section); and per row its sink slots' metadata, the first
+S tokens of the row's current document, kept after the window has moved past them.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import fields
 
 import torch
 
+from .record import AttentionContext, ForwardRecord, StreamAfter, StreamState
 from .visibility import locate_in_window, sink_count, sink_indices
-
-
-@dataclass
-class StreamState:
-    """Per row: the stream index where the current document starts, the position id of the last real token, and
-    whether a real token was seen. Each tensor is (B,) for one moment, or (B, n) for the moments after n tokens."""
-
-    start: torch.Tensor
-    last_position: torch.Tensor
-    started: torch.Tensor
-
-    @classmethod
-    def fresh(cls, batch: int, device: torch.device) -> "StreamState":
-        zeros = torch.zeros(batch, dtype=torch.long, device=device)
-        return cls(zeros, zeros - 1, torch.zeros(batch, dtype=torch.bool, device=device))
-
-    def map(self, function: Callable[[torch.Tensor], torch.Tensor]) -> "StreamState":
-        """The same state with `function` applied to each tensor (row selection, a column, concatenation)."""
-        return StreamState(*(function(getattr(self, f.name)) for f in fields(self)))
-
-    def copy_(self, other: "StreamState") -> None:
-        for f in fields(self):
-            getattr(self, f.name).copy_(getattr(other, f.name))
 
 
 def document_starts(
@@ -77,44 +56,13 @@ def document_starts(
     return torch.where(valid, starts, index[None, :]), after
 
 
-@dataclass
-class AttentionContext:
-    """Where the keys of one forward come from and what each query may see (shared by all layers).
-
-    The keys a cache returns are its sink slots (per row, `sink_*`; none without sinks), then its window part:
-    the window keys it held followed by the new tokens' keys, at consecutive stream indices `key_index`. Empty
-    static slots and padding are not `key_valid`.
-    """
-
-    query_positions: torch.Tensor  # (B, T) position ids of the new tokens
-    key_positions: torch.Tensor  # (B, K) position ids of the window part
-    key_valid: torch.Tensor  # (B, K) bool: a real token (not padding, not an empty slot)
-    query_index: torch.Tensor  # (T,) stream index of each new token
-    key_index: torch.Tensor  # (K,) stream index of each key of the window part
-    document_start: torch.Tensor  # (B, T) stream index of the first token of each query's document
-    sink_index: torch.Tensor  # (B, S') stream index each sink slot holds
-    sink_positions: torch.Tensor  # (B, S')
-    sink_valid: torch.Tensor  # (B, S') bool: the slot holds that token
-    allowed: torch.Tensor | None = None  # (B, 1, T, K) bool from a caller's own 4D mask, on top of the window
-
-
-@dataclass
-class StreamStep:
-    """What one forward reads from the stream: produced by `Stream.step` for every cache and for none."""
-
-    context: AttentionContext
-    keep: int | None  # window keys a cache holds after this forward (None: all of them)
-    sink_source: torch.Tensor | None  # (B, S) where each sink slot's next content comes from (None: as it is)
-    plain: bool  # one document from the stream's start, no padding, nothing held: plain causal attention is exact
-    aligned: bool  # each row one document whose blocks start where the new tokens' chunks do
-
-
 class Stream:
     """The metadata a LEX cache keeps besides keys and values (see the module docstring).
 
     `static=True` (LexStaticCache): `window_slots` slots that exist from the start (empty ones not valid), written
-    in place, and no reads on the host, so that a compiled decoding step has one shape and no graph break.
-    `unbounded=True`: every key is kept (a forward without a cache, or with a cache that keeps all past keys).
+    in place, and no reads on the host, so that a compiled decoding step has one shape and no graph break; its
+    `sinks` sink slots exist from the start too (0 where its window slots hold the whole stream).
+    `unbounded=True`: every key is kept (a forward without a LEX cache: nothing is dropped, so no sink slots).
     """
 
     def __init__(
@@ -123,12 +71,12 @@ class Stream:
     ) -> None:
         self.config = config
         self.window_slots = window_slots  # slots of the window part (static), or None: as many as the policy keeps
-        self.sinks = sink_count(config) if sinks is None else sinks
+        self.sinks = sink_count(config) if sinks is None else sinks  # S: the sinks this stream keeps in slots
         self.static = static
-        self.unbounded = unbounded  # hold every key (a forward without a LEX cache: nothing is dropped)
+        self.unbounded = unbounded
         self.seen: int | torch.Tensor = torch.zeros((), dtype=torch.long) if static else 0
-        self.positions = self.valid = self.index = None  # window part: (B, K), (B, K), (K,)
-        self.after: StreamState | None = None  # (B, K): the state after each held token (rollback)
+        self.positions = self.valid = self.index = None  # window part: (B, held), (B, held), (held,)
+        self.after: StreamState | None = None  # (B, held): the state after each held token (rollback)
         self.base: StreamState | None = None  # (B,): the state before the oldest held token
         self.state: StreamState | None = None  # (B,): the state now
         self.sink_index = self.sink_positions = self.sink_valid = None  # (B, S)
@@ -143,6 +91,7 @@ class Stream:
         return 0 if self.index is None else self.index.shape[0]
 
     def _initialize(self, batch: int, device: torch.device) -> None:
+        """The empty stream's metadata as tensors (the stream it describes is the same: empty)."""
         window_slots, sinks = self.window_slots or 0, self.sinks
         self.positions = torch.zeros(batch, window_slots, dtype=torch.long, device=device)
         self.valid = torch.zeros(batch, window_slots, dtype=torch.bool, device=device)
@@ -164,15 +113,9 @@ class Stream:
 
     # ------------------------------------------------------------------------------------------------ one forward
 
-    def step(
-        self,
-        position_ids: torch.Tensor | None,
-        valid: torch.Tensor,
-        caller_plain: bool,
-    ) -> StreamStep:
-        """Register the tokens of one forward (their position ids, None to continue each row's positions, and
-        which are real) and return what the forward reads, with what the cache's layers keep (`keep`,
-        `sink_source`); the metadata is updated to after the forward.
+    def begin(self, position_ids: torch.Tensor | None, valid: torch.Tensor, caller_plain: bool) -> ForwardRecord:
+        """The record of one forward of these tokens (their position ids, None to continue each row's positions,
+        and which are real): what it reads, and what the cache keeps after it. Changes nothing.
 
         `caller_plain`: the caller passed neither a mask nor position ids, so the tokens are one document without
         padding (known without reading tensors on the host).
@@ -197,8 +140,7 @@ class Stream:
             sink_positions=self.sink_positions[:, : self.sink_slots],
             sink_valid=self.sink_valid[:, : self.sink_slots],
         )
-        nothing_held = self.held == 0 and not self.static
-        plain = caller_plain and nothing_held
+        plain = caller_plain and self.held == 0 and not self.static
         if torch.compiler.is_compiling() or length <= self.config.attention_window:
             aligned = plain  # read by chunked tiles alone (more than w new tokens): no host read otherwise
         else:
@@ -207,94 +149,111 @@ class Stream:
             aligned = bool((document_start == first).all()) and bool(((query_index[0] - first) % block == 0).all())
         all_after = StreamState(*(torch.cat([getattr(self.after, f.name), getattr(after, f.name)], dim=1)
                                   for f in fields(after)))
-        if self.static:
-            self.seen.add_(length)
-        else:
-            self.seen += length
+        seen = self.seen + length
         available = int(context.key_index.shape[0])
-        keep = self._keep(available, context.key_index[0], all_after, self.base)
-        sink_source = self._refill_sink_slots(context, after.map(lambda t: t[:, -1]), dropping=keep < available)
-        self._hold(context, all_after, keep)
-        return StreamStep(context, None if self.unbounded else keep, sink_source, plain, aligned)
+        keep, floor = self._keep(available, context.key_index[0], all_after, self.base, seen)
+        sink_source, sinks_after = self._refill_sink_slots(context, after.map(lambda t: t[:, -1]), seen,
+                                                           dropping=keep < available)
+        drop = available - keep
+        stream_after = StreamAfter(
+            seen=seen,
+            positions=context.key_positions[:, drop:],
+            valid=context.key_valid[:, drop:],
+            index=context.key_index[drop:],
+            after=all_after.map(lambda t: t[:, drop:]),
+            base=all_after.map(lambda t: t[:, drop - 1]) if drop > 0 and not self.static else self.base,
+            state=all_after.map(lambda t: t[:, -1]),
+            floor=floor,
+            **sinks_after,
+        )
+        return ForwardRecord(context, None if self.unbounded else keep, sink_source, plain, aligned, stream_after)
 
-    def _refill_sink_slots(self, context: AttentionContext, now: StreamState, dropping: bool) -> torch.Tensor | None:
+    def commit(self, record: ForwardRecord) -> None:
+        """Store the stream's metadata after the record's forward (static: in place, the buffers keep their
+        addresses)."""
+        after = record.stream_after
+        for name in ("positions", "valid", "index", "sink_index", "sink_positions", "sink_valid"):
+            if self.static:
+                getattr(self, name).copy_(getattr(after, name))
+            else:
+                setattr(self, name, getattr(after, name))
+        if self.static:
+            self.seen.copy_(after.seen)
+            self.after.copy_(after.after)
+            self.state.copy_(after.state)
+        else:
+            self.seen, self.after, self.state, self.base = after.seen, after.after, after.state, after.base
+        self.sink_slots, self.floor = after.sink_slots, after.floor
+
+    # ------------------------------------------------------------------------------------------------ sink slots
+
+    def _refill_sink_slots(
+        self, context: AttentionContext, now: StreamState, seen: int | torch.Tensor, dropping: bool
+    ) -> tuple[torch.Tensor | None, dict]:
         """Point each sink slot at token (current document start + j): in the window part if it lies there, else
         the slot keeps what it holds. Returns where each slot's content comes from, as a column among the keys the
         cache returns (the sink slots first), or None where every slot keeps its content, and while there are no
-        slots: they come into being with the first dropped key."""
+        slots: they come into being with the first dropped key; and the slots' metadata after the forward."""
         sinks, sink_slots = self.sinks, context.sink_index.shape[1]
+        unchanged = {"sink_index": self.sink_index, "sink_positions": self.sink_positions,
+                     "sink_valid": self.sink_valid, "sink_slots": self.sink_slots}
         if sinks == 0 or not (sink_slots or dropping):
-            return None
+            return None, unchanged
         wanted = sink_indices(now.start, sinks)  # (B, S)
         column, in_window = locate_in_window(wanted, context.key_index)
-        exists = in_window & (wanted < self.seen)
+        exists = in_window & (wanted < seen)
         slot = torch.arange(sinks, device=column.device)
         kept = (self.sink_index == wanted) & self.sink_valid
         positions = torch.where(in_window, context.key_positions.gather(1, column), self.sink_positions)
         valid = torch.where(in_window, exists & context.key_valid.gather(1, column), kept)
-        self._store(("sink_index", wanted), ("sink_positions", positions), ("sink_valid", valid))
-        self.sink_slots = sinks
+        metadata = {"sink_index": wanted, "sink_positions": positions, "sink_valid": valid, "sink_slots": sinks}
         if sink_slots == sinks and not self.static and not torch.compiler.is_compiling() and not bool(in_window.any()):
-            return None  # every slot keeps what it holds (each decoding step once the window has moved on)
-        return torch.where(in_window, sink_slots + column, slot.clamp(max=max(sink_slots - 1, 0)))
+            return None, metadata  # every slot keeps what it holds (each decoding step once the window has moved on)
+        return torch.where(in_window, sink_slots + column, slot.clamp(max=max(sink_slots - 1, 0))), metadata
 
-    def _keep(self, available: int, first_index: torch.Tensor, after: StreamState, base: StreamState) -> int:
+    # ------------------------------------------------------------------------------------------------ keep policy
+
+    def _keep(
+        self, available: int, first_index: torch.Tensor, after: StreamState, base: StreamState,
+        seen: int | torch.Tensor,
+    ) -> tuple[int, int]:
         """How many of the latest `available` window keys (from stream index `first_index`, with the state after
-        each in `after` and before them in `base`) queries from the rollback floor on may still see."""
+        each in `after` and before them in `base`) queries from the rollback floor on may still see, once the
+        stream has had `seen` tokens; and that floor."""
+        floor = self.floor
         if self.static:
-            return self.window_slots
+            return self.window_slots, floor
         mode, window = self.config.attention_mode, self.config.attention_window
         if mode == "full" or self.unbounded:
-            return available
-        floor = self.seen
+            return available, floor
         if self.record_past:
             if self.removable_from is not None:  # tokens before it have no logits to verify: never rolled back
-                self.floor = max(self.floor, min(self.removable_from, self.seen))
-            floor = self.floor
-        if mode == "sliding" or torch.compiler.is_compiling():  # blockwise under compile: a superset, no host read
-            first_needed = floor - (window - 1)
+                floor = max(floor, min(self.removable_from, seen))
+            first_seen = floor
         else:
-            offset = floor - 1 - int(first_index)
+            first_seen = seen
+        if mode == "sliding" or torch.compiler.is_compiling():  # blockwise under compile: a superset, no host read
+            first_needed = first_seen - (window - 1)
+        else:
+            offset = first_seen - 1 - int(first_index)
             start = after.start[:, offset] if offset >= 0 else base.start
             block = self.config.bca_block_length
-            first_needed = int((start + torch.div(floor - start, block, rounding_mode="floor") * block - block).min())
-        return max(0, min(available, self.seen - first_needed))
+            first_needed = int((start + torch.div(first_seen - start, block, rounding_mode="floor") * block
+                                - block).min())
+        return max(0, min(available, seen - first_needed)), floor
 
     def shrink(self) -> int:
         """After a crop: drop the metadata no query from now on can see; returns how many window keys to keep."""
         if self.index is None:
             return 0
-        keep = self._keep(self.held, self.index[0] if self.held else torch.tensor(self.seen), self.after, self.base)
+        first = self.index[0] if self.held else torch.tensor(self.seen)
+        keep, self.floor = self._keep(self.held, first, self.after, self.base, self.seen)
         drop = self.held - keep
         if drop > 0:
             self.base = self.after.map(lambda t: t[:, drop - 1])
             self.positions, self.valid, self.index = self.positions[:, drop:], self.valid[:, drop:], self.index[drop:]
             self.after = self.after.map(lambda t: t[:, drop:])
         return keep
-
-    def _hold(self, context: AttentionContext, after: StreamState, keep: int) -> None:
-        """Keep the metadata of the last `keep` keys of the window part (the cache's layers keep the same keys)."""
-        drop = context.key_index.shape[0] - keep
-        if drop > 0 and not self.static:
-            self.base = after.map(lambda t: t[:, drop - 1])
-        self._store(
-            ("positions", context.key_positions[:, drop:]), ("valid", context.key_valid[:, drop:]),
-            ("index", context.key_index[drop:]),
-        )
-        if self.static:
-            self.after.copy_(after.map(lambda t: t[:, drop:]))
-            self.state.copy_(after.map(lambda t: t[:, -1]))
-        else:
-            self.after = after.map(lambda t: t[:, drop:])
-            self.state = after.map(lambda t: t[:, -1])
-
-    def _store(self, *pairs: tuple[str, torch.Tensor]) -> None:
-        """Assign (dynamic) or write in place (static: the buffers keep their addresses)."""
-        for name, value in pairs:
-            if self.static:
-                getattr(self, name).copy_(value)
-            else:
-                setattr(self, name, value)
 
     # ------------------------------------------------------------------------------------------------ rollback
 

@@ -9,20 +9,25 @@ PACKAGES = ("lex_base", "configuration_lex", "modeling_lex", "convert", "lex")
 # A module may import modules of its own layer or below, never above.
 LAYERS = {"lex_base": -1, "configuration_lex": 0, "modeling_lex": 1, "convert": 2, "lex": 3, "lex.metrics": 4,
           "lex.commands": 4, "lex.cli": 5}
-# The rooms of modeling_lex/, each importing only rooms before it: formulas, then who sees whom, the stream's
-# bookkeeping, the generate() glue, the caches that store what each step says, the masks and the attention plan,
-# the kernels that run it, and the model file that reads top to bottom.
+# The rooms of modeling_lex/, each importing only rooms before it: formulas, then who sees whom, one forward's
+# record and the shared terms, the stream's bookkeeping, the generate() glue, the caches that keep what a record
+# says, the caller's inputs read into a record, the attention plan made from a record, the kernels that run it,
+# and the model file that reads top to bottom.
 MODEL_ROOMS = {
     "modeling_lex.xpos": "position formulas (xPos, RoPE, ALiBi, KERPLE, Sandwich, sinusoidal)",
     "modeling_lex.positions": "one class per position_embedding_type, in one registry",
     "modeling_lex.visibility": "who sees whom: the window rule, the one sink rule, the chunk index map",
-    "modeling_lex.stream": "the stream's bookkeeping: documents, positions, what a cache holds, rollback",
+    "modeling_lex.record": "one forward's record (what it reads, what the cache keeps after it); the shared terms",
+    "modeling_lex.stream": "the stream's bookkeeping: documents, positions, the keep policy, sink slots, rollback",
     "modeling_lex.generation": "every coupling to transformers' generate() loop, with the versions it targets",
-    "modeling_lex.cache": "the bounded caches: storage that each step's record tells what to keep",
-    "modeling_lex.masking": "the caller's mask read into the stream; the attention plan's tiles and masks",
-    "modeling_lex.kernels": "the attention backends run over the plan's tiles",
+    "modeling_lex.cache": "the bounded caches: update returns what attention reads, commit keeps what a record says",
+    "modeling_lex.inputs": "the caller's mask, position ids and cache checked and read into a forward's record",
+    "modeling_lex.masking": "the attention plan's tiles and masks: a pure function of a record",
+    "modeling_lex.kernels": "the attention backends run over the plan's tiles, reading (never writing) the cache's keys",
     "modeling_lex.modeling_lex": "norm, MLP, attention, layer, model, causal-LM head; the Auto classes",
 }
+# Rooms that may change a cache's state; the plan and the kernels may import none of them.
+STATEFUL_ROOMS = ("modeling_lex.stream", "modeling_lex.cache", "modeling_lex.inputs")
 
 
 def module_name(path: Path) -> str:
@@ -76,6 +81,15 @@ def test_the_model_rooms_are_every_module_and_import_only_earlier_rooms():
     later = [f"{name} -> {target}" for name in order for target in edges[name]
              if target in MODEL_ROOMS and order.index(target) > order.index(name)]
     assert later == []
+
+
+def test_the_plan_and_the_kernels_import_no_room_that_holds_state():
+    """masking.py is a pure function of a forward's record: it imports the record, never the cache or the stream
+    (whose begin/commit and rollback change what a cache holds), and neither do the kernels."""
+    edges = graph()
+    for room in ("modeling_lex.masking", "modeling_lex.kernels"):
+        assert edges[room] & set(STATEFUL_ROOMS) == set(), room
+    assert "modeling_lex.record" in edges["modeling_lex.masking"]
 
 
 def test_imports_flow_down_the_layers():

@@ -23,13 +23,13 @@ def test_each_chunk_holds_exactly_the_keys_visible_allows(mode, sinks):
     keys its chunk shows unmasked are exactly those `seen_at_all` allows, each once (sink columns included)."""
     config = tiny_config(attention_mode=mode, attention_sinks=sinks)
     history = Stream(config)
-    history.step(None, torch.ones(2, 21, dtype=torch.bool), False)  # a cached past of 21 tokens
+    history.commit(history.begin(None, torch.ones(2, 21, dtype=torch.bool), False))  # a cached past of 21 tokens
     valid = torch.ones(2, 53, dtype=torch.bool)
     valid[1, :9] = False  # row 1: padding
     positions = torch.cat([torch.arange(30), torch.arange(23)])[None].repeat(2, 1)  # a document restarts at 30
-    step = history.step(positions, valid, False)
-    ctx = step.context
-    tile = _chunked_tile(config, position_method(config), ctx, torch.float32, step.aligned)
+    record = history.begin(positions, valid, False)
+    ctx = record.context
+    tile = _chunked_tile(config, position_method(config), ctx, torch.float32, record.aligned)
     allowed = tile.mask[:, 0] == 0  # (B*chunks, b, columns)
     chunks = tile.query_slots.shape[0]
     columns = tile.key_columns.expand(2, -1, -1) if tile.key_columns.dim() == 2 else tile.key_columns

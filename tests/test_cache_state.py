@@ -1,0 +1,149 @@
+"""The cache's state has one owner: a forward begins (its record, nothing changed), each layer's `cache.update`
+returns what attention reads, and `cache.commit` after the last layer keeps what the record says. So a forward
+that raises leaves a cache exactly as it was, reading `keys`/`values` changes nothing, and attention never writes
+a tensor the cache returned."""
+
+from dataclasses import fields
+
+import pytest
+import torch
+
+import modeling_lex.modeling_lex as modeling
+from modeling_lex import LexCache, LexStaticCache
+from modeling_lex.generation import CACHE_NAME
+from tests.helpers import W, perturbed_model, prompt, tiny_config
+
+# Every path a cache's state can take: window modes, sinks at either rule, per-token (RoPE, whose decoding steps
+# read the sinks rotated in the cache's frame) and re-encoded (xPos) positions.
+CASES = [
+    ("sliding", 2, "cache", "rope"), ("sliding", 2, "true", "rope"), ("blockwise", 2, "cache", "rope"),
+    ("blockwise", 2, "cache", "xpos"), ("sliding", 0, "cache", "xpos"), ("full", 0, "cache", "rope"),
+]
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def snapshot(cache) -> dict:
+    """Everything a cache holds: each layer's keys and values, and every field of its stream (copies)."""
+    def copy(value):
+        if isinstance(value, torch.Tensor):
+            return value.clone()
+        if hasattr(value, "__dataclass_fields__"):
+            return {f.name: copy(getattr(value, f.name)) for f in fields(value)}
+        return value
+
+    layers = [(copy(layer.keys), copy(layer.values)) for layer in cache.layers]
+    stream = {name: copy(value) for name, value in vars(cache.stream).items() if name != "config"}
+    return {"layers": layers, "stream": stream, "seen": int(cache.get_seq_length())}
+
+
+def assert_same(a, b, where="cache") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def make_cache(kind: str, config):
+    return LexCache(config) if kind == "dynamic" else LexStaticCache(config, max_cache_len=8 * W)
+
+
+def model_for(mode: str, sinks: int, rule: str, kind: str):
+    return perturbed_model(tiny_config(attention_mode=mode, attention_sinks=sinks, attention_sink_positions=rule,
+                                       position_embedding_type=kind))
+
+
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+@pytest.mark.parametrize("mode, sinks, rule, kind", CASES)
+def test_a_forward_that_raises_in_a_layer_leaves_the_cache_as_it_was(mode, sinks, rule, kind, cache_kind):
+    """A fault injected after the second layer's attention (a forward hook that raises), in a prompt chunk and in
+    decoding steps past the window (sink slots in use): the cache is unchanged, keys, values and every stream field,
+    and the next forwards give the logits they give without the fault."""
+    model = model_for(mode, sinks, rule, kind)
+    ids = prompt(1, 3 * W + 5)
+    faulty, clean = make_cache(cache_kind, model.config), make_cache(cache_kind, model.config)
+
+    def boom(*_):
+        raise Boom
+
+    with torch.no_grad():
+        for cache in (faulty, clean):
+            model(ids[:, : W + 3], **{CACHE_NAME: cache})
+        starts = [*range(W + 3, 2 * W, 3), *range(2 * W, ids.shape[1])]  # prompt chunks of 3, then decoding steps
+        for start, stop in zip(starts, starts[1:] + [ids.shape[1]]):
+            chunk = ids[:, start:stop]
+            before = snapshot(faulty)
+            handle = model.model.layers[1].register_forward_hook(boom)
+            with pytest.raises(Boom):
+                model(chunk, **{CACHE_NAME: faulty})
+            handle.remove()
+            assert_same(snapshot(faulty), before)
+            torch.testing.assert_close(model(chunk, **{CACHE_NAME: faulty}).logits,
+                                       model(chunk, **{CACHE_NAME: clean}).logits, atol=0, rtol=0)
+            assert_same(snapshot(faulty), snapshot(clean))
+
+
+@pytest.mark.parametrize("mode, sinks, rule, kind", CASES)
+def test_reading_keys_and_values_changes_nothing(mode, sinks, rule, kind):
+    """`keys`/`values` read twice are equal and leave the cache unchanged, between forwards and after a forward
+    that raised mid-way (when the buffer's copy of the sink keys may be rotated)."""
+    model = model_for(mode, sinks, rule, kind)
+    ids = prompt(1, 2 * W + 4)
+    cache = LexCache(model.config)
+
+    def boom(*_):
+        raise Boom
+
+    with torch.no_grad():
+        model(ids[:, : 2 * W], **{CACHE_NAME: cache})
+        for step in range(2 * W, ids.shape[1]):
+            model(ids[:, step : step + 1], **{CACHE_NAME: cache})
+            first = snapshot(cache)
+            assert_same(snapshot(cache), first)
+            handle = model.model.layers[1].register_forward_hook(boom)
+            with pytest.raises(Boom):
+                model(ids[:, step : step + 1], **{CACHE_NAME: cache})
+            handle.remove()
+            assert_same(snapshot(cache), first)
+            assert_same(snapshot(cache), first)
+
+
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+@pytest.mark.parametrize("mode, sinks, rule, kind", CASES)
+def test_attention_never_writes_what_the_cache_returned(mode, sinks, rule, kind, cache_kind, monkeypatch):
+    """The keys and values each layer's attention receives from the cache (views of its buffers) keep their
+    version counters through attention, over a prompt and decoding steps that read sink slots in either frame:
+    attention writes none of them."""
+    model = model_for(mode, sinks, rule, kind)
+    ids = prompt(2, 3 * W)
+    calls, written = [], []
+    original = modeling.run_attention
+
+    def watched(module, interface, query, key, value, plan, *args, **kwargs):
+        versions = key._version, value._version
+        out = original(module, interface, query, key, value, plan, *args, **kwargs)
+        calls.append(plan.cache_kwargs["sink_rotation"] is not None)
+        if (key._version, value._version) != versions:
+            written.append(module.layer_idx)
+        return out
+
+    monkeypatch.setattr(modeling, "run_attention", watched)
+    cache = make_cache(cache_kind, model.config)
+    with torch.no_grad():
+        model(ids[:, : W + 2], **{CACHE_NAME: cache})
+        for step in range(W + 2, ids.shape[1]):
+            model(ids[:, step : step + 1], **{CACHE_NAME: cache})
+    assert written == []
+    assert len(calls) >= model.config.num_hidden_layers * (ids.shape[1] - W - 1)  # the prompt, then each step
+    if cache_kind == "dynamic" and sinks and rule == "cache" and kind == "rope":
+        assert any(calls)  # the path that reads the sink slots rotated in the cache's frame ran
