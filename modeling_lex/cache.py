@@ -143,6 +143,7 @@ class LexCacheLayer(DynamicLayer):
         if new.requires_grad or buffer.requires_grad:
             self._joined[which] = torch.cat([buffer[:, :, begin:end], new], dim=2)
             return self._joined[which] if sinks is None else torch.cat([front, self._joined[which]], dim=2)
+        self._joined[which] = None  # (what a forward under autograd that raised may have left)
         stop = end + new.shape[2]
         rewrite = rotation is not None or (which == 0 and self._rotated)
         if stop > buffer.shape[2]:  # no room after the window part
