@@ -67,15 +67,15 @@ def source_gguf(path: str | Path, what: str = "MODEL") -> Path | None:
         raise DataError(f"{what} {error}") from None
 
 
-def load_tokenizer(path: str | Path):
-    """The tokenizer of a model folder, Hub id or .gguf file."""
-    gguf = source_gguf(path)
+def load_tokenizer(path: str | Path, what: str = "MODEL"):
+    """The tokenizer of a model folder, Hub id or .gguf file (`what`: the flag or argument named in errors)."""
+    gguf = source_gguf(path, what)
     if gguf is None:
         return AutoTokenizer.from_pretrained(str(path))
     try:
         return gguf_tokenizer(gguf)
     except ConversionError as error:
-        raise DataError(f"MODEL {error}") from None
+        raise DataError(f"{what} {error}") from None
 
 
 def attention_modes(config, modes: list[str]) -> tuple[list[str], str | None]:

@@ -268,7 +268,7 @@ def load_tokenizer(model_args: ModelArguments, documents, checkpoint: str | None
     source = model_args.model_name_or_path
     if source:
         if source_gguf(source, "--model_name_or_path") is not None:
-            return load_model_tokenizer(source)
+            return load_model_tokenizer(source, "--model_name_or_path")
         if not Path(source).is_dir() or has_tokenizer(source):
             return named_tokenizer(source, "--model_name_or_path")
         logger.warning(

@@ -167,7 +167,8 @@ def atomic_files(folder: str | Path, names: tuple[str, ...] = (), force: bool = 
     try:
         yield staging
         apply_umask(staging)
-        for name in sorted((p.name for p in staging.iterdir()), key=lambda name: name in ("config.json", "adapter_config.json")):
+        configs = ("config.json", "adapter_config.json")
+        for name in sorted((p.name for p in staging.iterdir()), key=lambda name: name in configs):
             os.replace(staging / name, folder / name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

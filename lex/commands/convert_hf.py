@@ -41,8 +41,8 @@ def main_convert_hf(argv: list[str] | None = None) -> int:
                            position_embedding_type=args.position_embedding_type)
     print(f"{args.src} -> {args.out}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
           f"{config.num_attention_heads} heads / {config.num_key_value_heads} key-value heads, "
-          f"{config.position_embedding_type} {config.rope_parameters['rope_type']}, {config.attention_mode} "
-          f"attention (window {config.attention_window}, {config.attention_sinks} sinks at "
+          f"{config.position_embedding_type} (rope_type {config.rope_parameters['rope_type']}), "
+          f"{config.attention_mode} attention (window {config.attention_window}, {config.attention_sinks} sinks at "
           f"{config.attention_sink_positions} positions)")
     return 0
 

@@ -1,8 +1,7 @@
 """`lex train`: train or fine-tune a LEX model with the HF Trainer, in the shape of run_clm.py.
 
     lex train --output_dir runs/kjv --config_overrides "hidden_size=256,num_hidden_layers=4" --block_size 256
-    lex train --output_dir runs/smol --model_name_or_path SmolLM2.gguf --attention_mode blockwise \
-        --attention_window 1024 --position_embedding_type xpos --use_peft --merge_adapter ...   # a converted model
+    lex train --output_dir runs/smol --model_name_or_path smol.gguf --attention_mode blockwise --use_peft ...
     accelerate launch --config_file lex/accelerate_configs/ddp_cpu.yaml -m lex.cli train ... --use_cpu   # DDP
 
 Model, data and tokenizer arguments follow examples/pytorch/language-modeling/run_clm.py; every
