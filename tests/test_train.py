@@ -702,21 +702,33 @@ def test_lora_adapter_reloads_with_peft_and_merges_into_a_plain_lex_folder(llama
 
 
 @pytest.mark.slow
-def test_two_processes_fine_tune_a_gguf_with_lora_and_save_one_merged_folder(llama_source, corpus, tmp_path):
-    """The ddp_cpu launcher on a .gguf converted in memory, LoRA merged at the end: world size 2 seen from inside
-    the run, and one plain LEX folder that loads."""
+@pytest.mark.parametrize("merge", [True, False])
+def test_two_processes_fine_tune_a_gguf_with_lora_and_save_one_folder(merge, llama_source, corpus, tmp_path):
+    """The ddp_cpu launcher on a .gguf converted in memory, with LoRA: world size 2 seen from inside the run, and
+    one folder that loads: the plain LEX model with the adapter merged, or the adapter (onto the converted base)."""
+    from peft import PeftModel
+
+    from convert.hf import convert_hf
+
     out = tmp_path / "run"
-    log = launched("ddp_cpu", ["train", "--output_dir", str(out), "--model_name_or_path",
-                               str(source_path(llama_source, "gguf")), "--train_files", f"{corpus}/*.txt",
-                               *LLAMA_BASE, "--per_device_train_batch_size", "2", "--max_steps", "3", "--use_peft",
-                               "--merge_adapter", "--attention_mode", "blockwise", "--log_level", "info"])
+    gguf = source_path(llama_source, "gguf")
+    log = launched("ddp_cpu", ["train", "--output_dir", str(out), "--model_name_or_path", str(gguf),
+                               "--train_files", f"{corpus}/*.txt", *LLAMA_BASE, "--per_device_train_batch_size", "2",
+                               "--max_steps", "3", "--use_peft", "--attention_mode", "blockwise", "--log_level",
+                               "info", *(["--merge_adapter"] if merge else [])])
     assert "Process rank: 0 of world size 2" in log
     assert "all 2 processes finished" in log
-    assert sorted(p.name for p in out.iterdir() if p.name.startswith(("model", "adapter", "config"))) == [
-        "config.json", "model.safetensors"]
-    model = AutoModelForCausalLM.from_pretrained(out)
-    assert model.config.model_type == "lex" and model.config.attention_mode == "blockwise"
     assert len(losses(out)) == 3 and all(math.isfinite(x) for x in losses(out))
+    saved = sorted(p.name for p in out.iterdir() if p.name.startswith(("model", "adapter", "config")))
+    if merge:
+        assert saved == ["config.json", "model.safetensors"]
+        model = AutoModelForCausalLM.from_pretrained(out)
+    else:
+        assert saved == ["adapter_config.json", "adapter_model.safetensors"]
+        convert_hf(gguf, tmp_path / "base", attention_mode="blockwise")
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), out)
+    assert model.config.model_type == "lex" and model.config.attention_mode == "blockwise"
+    assert torch.isfinite(output_logits(model, llama_source["tokens"])).all()
 
 
 @pytest.mark.slow
