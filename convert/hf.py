@@ -1,7 +1,7 @@
 """Llama, Mistral and Qwen2 checkpoints <-> LEX models.
 
     lex convert-hf SRC OUT [--attention_mode M] [--attention_window W] [--attention_sinks S]
-        [--attention_sink_positions cache|true] [--dtype D] [--force]
+        [--attention_sink_positions cache|true] [--position_embedding_type rope|xpos] [--dtype D] [--force]
     lex convert-to-hf SRC OUT [--force]
 
 SRC is a model folder (safetensors) or a Llama, Mistral or Qwen2 `.gguf` file (or a folder holding exactly one),
@@ -11,6 +11,13 @@ A LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM becomes a LexForCausa
 a gated MLP, grouped-query attention and the source's biases. By default it computes exactly what the source
 does: full attention, or Mistral's `sliding_window` as LEX `sliding` with w = that window (a query at p sees
 p-w+1 ... p in both). `attention_mode="blockwise"` (BCA) or `"sliding"` makes it read past its training length.
+
+Position retrofit: `position_embedding_type="xpos"` keeps the source's rotation (its rope_type's frequencies and
+attention factor, linear, llama3 and yarn included) and adds xPos's scale zeta^((m-n)/B), with B =
+`xpos_scale_base` = max_position_embeddings / 2: the ratio of the xPos and LEX papers (B = 512 at a training length
+of 1,024), so that at the source's training length the decay of each pair is what the paper's models saw at
+theirs. A smaller B would fade distant keys that the checkpoint relies on inside its length; a larger one leaves it
+nearly RoPE, with little decay to extrapolate by. The scale is new to the weights: the model needs fine-tuning.
 
 Rotation layout: HF models rotate the two halves of each head (dims i and i + d/2 form pair i), LEX rotates
 interleaved pairs (dims 2i and 2i+1), so the rows of q_proj and k_proj (and their biases) are permuted per head
@@ -23,6 +30,7 @@ target computes is refused, naming the field and why, before anything is written
 """
 
 import json
+import logging
 import shutil
 from collections.abc import Callable
 from functools import lru_cache
@@ -53,7 +61,11 @@ from modeling_lex.positions import POSITION_METHODS
 
 from .checkpoint import ConversionError, check_tensors, refuse_field
 
+logger = logging.getLogger(__name__)
+
 SOURCE_TYPES = ("llama", "mistral", "qwen2")
+# The position_embedding_type a converted checkpoint may take: its own RoPE, or the xPos retrofit (same rotation).
+RETROFITS = ("rope", "xpos")
 # Well-known decoders that are not Llama-family RoPE models, and what about them no LEX model computes.
 FOREIGN_POSITIONS = {
     "gpt2": "learned absolute position embeddings (wpe)",
@@ -151,9 +163,14 @@ def source_biases(hf_config) -> dict:
     return dict(attention_bias=hf_config.model_type == "qwen2", attention_output_bias=False, mlp_bias=False)
 
 
+def xpos_scale_base(max_position_embeddings: int) -> float:
+    """B of the xPos retrofit: half the training length, the papers' ratio (module docstring)."""
+    return max_position_embeddings / 2
+
+
 def lex_config_from_hf(
     hf_config: PreTrainedConfig, attention_mode: str | None = None, attention_window: int | None = None,
-    attention_sinks: int = 0, attention_sink_positions: str = "cache",
+    attention_sinks: int = 0, attention_sink_positions: str = "cache", position_embedding_type: str = "rope",
 ) -> LexConfig:
     """The LexConfig of a Llama, Mistral or Qwen2 config, or a ConversionError naming what it cannot express.
 
@@ -163,6 +180,7 @@ def lex_config_from_hf(
     document kept in view, by default at their positions within the cache (`attention_sink_positions` "cache"):
     a model pretrained with full attention then never sees a sink further than it was trained on ("true" places
     them at their own positions, distances such a model never saw past its training length).
+    `position_embedding_type` "xpos" is the xPos retrofit (module docstring), logged as needing fine-tuning.
     """
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SOURCE_TYPES:
@@ -171,6 +189,9 @@ def lex_config_from_hf(
                               f"convertible: {', '.join(SOURCE_TYPES)}")
     if attention_mode is not None and attention_mode not in ATTENTION_MODES:
         raise ConversionError(f"attention_mode={attention_mode!r}: allowed: {', '.join(ATTENTION_MODES)}")
+    if position_embedding_type not in RETROFITS:
+        raise ConversionError(f"position_embedding_type={position_embedding_type!r}: allowed for a {model_type} "
+                              f"checkpoint: {', '.join(RETROFITS)}")
     window = source_window(hf_config)
     if window is not None and (window < 4 or window % 2):
         raise ConversionError(f"{model_type} sliding_window={window}: a LEX attention_window is an even integer >= 4")
@@ -184,7 +205,7 @@ def lex_config_from_hf(
         num_attention_heads=hf_config.num_attention_heads, num_key_value_heads=hf_config.num_key_value_heads,
         head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
         hidden_act=HF_ACTIVATIONS[hf_config.hidden_act], max_position_embeddings=length,
-        position_embedding_type="rope", rope_parameters=rope,
+        position_embedding_type=position_embedding_type, rope_parameters=rope,
         attention_mode=attention_mode or ("sliding" if window else "full"),
         attention_window=attention_window or window or length + length % 2, attention_sinks=attention_sinks,
         attention_sink_positions=attention_sink_positions,
@@ -194,6 +215,8 @@ def lex_config_from_hf(
         tie_word_embeddings=hf_config.tie_word_embeddings, pad_token_id=hf_config.pad_token_id,
         bos_token_id=hf_config.bos_token_id, eos_token_id=hf_config.eos_token_id,
     )
+    if position_embedding_type == "xpos":
+        fields["xpos_scale_base"] = xpos_scale_base(length)
     try:
         config = LexConfig(**fields)
     except (ValueError, StrictDataclassError) as error:  # @strict's field and class validation errors
@@ -201,6 +224,9 @@ def lex_config_from_hf(
         raise ConversionError(f"the {model_type} config does not fit a LexConfig: {message}") from None
     config.architectures = ["LexForCausalLM"]
     config.dtype = hf_config.dtype
+    if position_embedding_type == "xpos":
+        logger.warning("xPos retrofit of a RoPE %s checkpoint (xpos_scale_base %g): its weights never saw the scale; "
+                       "fine-tune it before use", model_type, config.xpos_scale_base)
     return config
 
 
@@ -299,7 +325,7 @@ def check_plan(renamed: dict[str, tuple[str, tuple[int, ...]]], expected: dict[s
 
 def lex_from_hf(
     model: PreTrainedModel, attention_mode: str | None = None, attention_window: int | None = None,
-    attention_sinks: int = 0, attention_sink_positions: str = "cache",
+    attention_sinks: int = 0, attention_sink_positions: str = "cache", position_embedding_type: str = "rope",
 ) -> LexForCausalLM:
     """A loaded LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM as a LexForCausalLM, in memory.
 
@@ -307,7 +333,7 @@ def lex_from_hf(
     dtype, so no second copy of the weights is made: train one of the two, not both.
     """
     config = lex_config_from_hf(model.config, attention_mode, attention_window, attention_sinks,
-                                attention_sink_positions)
+                                attention_sink_positions, position_embedding_type)
     config.dtype = model.dtype
     source = model.state_dict()
     renamed = plan_names({name: tuple(tensor.shape) for name, tensor in source.items()}, config, to_lex=True)
@@ -404,13 +430,14 @@ def gguf_tokenizer(path: Path):
 
 
 def convert_gguf(path: Path, out_dir: Path, attention_mode: str | None, attention_window: int | None,
-                 attention_sinks: int, attention_sink_positions: str, dtype: str | None, force: bool,
-                 max_shard_size: int | str) -> LexConfig:
+                 attention_sinks: int, attention_sink_positions: str, position_embedding_type: str,
+                 dtype: str | None, force: bool, max_shard_size: int | str) -> LexConfig:
     """A .gguf file -> a LEX folder with its tokenizer: dequantized in memory, converted (`lex_from_hf`), saved."""
     torch_dtype = dtype_named(dtype)
     check_gguf(path)
     with atomic_directory(out_dir, force) as staging:
-        lex = lex_from_hf(load_gguf(path), attention_mode, attention_window, attention_sinks, attention_sink_positions)
+        lex = lex_from_hf(load_gguf(path), attention_mode, attention_window, attention_sinks, attention_sink_positions,
+                          position_embedding_type)
         if torch_dtype is not None:
             lex = lex.to(torch_dtype)
             lex.config.dtype = torch_dtype
@@ -518,7 +545,7 @@ def load_config(folder: Path):
 def convert_hf(
     src_dir: str | Path, out_dir: str | Path, attention_mode: str | None = None, attention_window: int | None = None,
     dtype: str | None = None, force: bool = False, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-    attention_sinks: int = 0, attention_sink_positions: str = "cache",
+    attention_sinks: int = 0, attention_sink_positions: str = "cache", position_embedding_type: str = "rope",
 ) -> LexConfig:
     """A Llama, Mistral or Qwen2 folder (safetensors) or .gguf file -> a LEX folder; returns its LexConfig.
 
@@ -529,11 +556,11 @@ def convert_hf(
     gguf = gguf_file(src_dir)
     if gguf is not None:
         return convert_gguf(gguf, Path(out_dir), attention_mode, attention_window, attention_sinks,
-                            attention_sink_positions, dtype, force, max_shard_size)
+                            attention_sink_positions, position_embedding_type, dtype, force, max_shard_size)
     if src_dir.is_dir() and not (src_dir / "config.json").is_file():
         raise ConversionError(f"{src_dir}: not a model folder (it has no config.json) and holds no .gguf file")
     config = lex_config_from_hf(load_config(src_dir), attention_mode, attention_window, attention_sinks,
-                                attention_sink_positions)
+                                attention_sink_positions, position_embedding_type)
     convert_folder(src_dir, Path(out_dir), config, config, LexForCausalLM, True, dtype, force, max_shard_size)
     return config
 

@@ -67,15 +67,15 @@ def source_gguf(path: str | Path, what: str = "MODEL") -> Path | None:
         raise DataError(f"{what} {error}") from None
 
 
-def load_tokenizer(path: str | Path):
-    """The tokenizer of a model folder, Hub id or .gguf file."""
-    gguf = source_gguf(path)
+def load_tokenizer(path: str | Path, what: str = "MODEL"):
+    """The tokenizer of a model folder, Hub id or .gguf file (`what`: the flag or argument named in errors)."""
+    gguf = source_gguf(path, what)
     if gguf is None:
         return AutoTokenizer.from_pretrained(str(path))
     try:
         return gguf_tokenizer(gguf)
     except ConversionError as error:
-        raise DataError(f"MODEL {error}") from None
+        raise DataError(f"{what} {error}") from None
 
 
 def attention_modes(config, modes: list[str]) -> tuple[list[str], str | None]:
@@ -142,6 +142,34 @@ def with_attention(model, attention_mode: str | None = None, attention_window: i
                            attention_sink_positions or "cache").eval()
     except ConversionError as error:
         raise DataError(f"{name}: {error}") from None
+
+
+def load_for_training(
+    path: str, attention_mode: str | None = None, attention_window: int | None = None,
+    attention_sinks: int | None = None, attention_sink_positions: str | None = None,
+    position_embedding_type: str | None = None,
+):
+    """The model `lex train` fine-tunes, in float32: a Llama, Mistral or Qwen2 folder or .gguf file always as a LEX
+    model, converted in memory as `lex convert-hf` converts it (`convert.hf.lex_from_hf`, the same arguments; its
+    sinks within the cache unless `attention_sink_positions` says otherwise); a LEX folder with the attention
+    arguments over its config, and any other causal LM as published (`load_model`). `position_embedding_type`
+    ("rope" or the "xpos" retrofit) applies to a checkpoint being converted only."""
+    config = model_config(path, "--model_name_or_path", gguf=True)
+    if config.model_type not in SOURCE_TYPES:
+        if position_embedding_type is not None:
+            raise DataError(f"--position_embedding_type {position_embedding_type}: it converts a "
+                            f"{', '.join(SOURCE_TYPES)} checkpoint; --model_name_or_path {path} is a "
+                            f"{config.model_type!r} model, which keeps its own positions")
+        return load_model(path, attention_mode, attention_window=attention_window, attention_sinks=attention_sinks,
+                          attention_sink_positions=attention_sink_positions)
+    gguf = source_gguf(path, "--model_name_or_path")
+    try:
+        source = (load_gguf(gguf) if gguf is not None
+                  else AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+        return lex_from_hf(source, attention_mode, attention_window, attention_sinks or 0,
+                           attention_sink_positions or "cache", position_embedding_type or "rope")
+    except ConversionError as error:
+        raise DataError(f"--model_name_or_path {path}: {error}") from None
 
 
 def attention_variants(

@@ -1,7 +1,10 @@
 """Training and fine-tuning LEX models with the HF Trainer, in the shape of run_clm.py (`lex train`'s library).
 
 Model, data and tokenizer arguments follow examples/pytorch/language-modeling/run_clm.py; every
-TrainingArguments flag passes through. Inputs are checked before anything is written to --output_dir, and the
+TrainingArguments flag passes through. A Llama, Mistral or Qwen2 --model_name_or_path (a folder or a .gguf file) is
+converted in memory with `lex convert-hf`'s arguments and trained, and saved, as a LEX model. LoRA (peft) takes
+TRL's flag names (--use_peft, --lora_r, ...); the adapter is saved, or merged into a plain LEX folder
+(--merge_adapter). Inputs are checked before anything is written to --output_dir, and the
 final model is written by every rank together (`save_full_model`), whatever the parallelism. As in run_clm, an
 --output_dir holding checkpoint-* folders resumes from the last complete one (so a preempted job is resumed by
 running the same command again), and a non-empty one without checkpoints is refused unless
@@ -34,20 +37,39 @@ from transformers import (
 from transformers.trainer_utils import get_last_checkpoint
 
 import modeling_lex  # noqa: F401  (registers the Auto classes)
-from configuration_lex import LexConfig
+from configuration_lex import ATTENTION_MODES, SINK_POSITIONS, LexConfig
+from convert.hf import RETROFITS
 from lex_base.staging import atomic_files, is_staging
 
 from .data import DataError, Packing, load_documents, pack, split_tail, tokenize_documents, train_tokenizer
-from .models import has_tokenizer, model_config, saved_for_generation
+from .models import has_tokenizer, load_for_training, model_config, saved_for_generation, source_gguf
+from .models import load_tokenizer as load_model_tokenizer
 from .report import plot_losses
 
 logger = logging.getLogger(__name__)
+# What LoRA adapts by default: every projection of a Llama-family (and Llama-shaped LEX) layer.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass
 class ModelArguments:
     model_name_or_path: str | None = field(
-        default=None, metadata={"help": "a LEX folder or Hub id to fine-tune; omit to train from scratch"}
+        default=None,
+        metadata={"help": "a LEX folder or Hub id, or a Llama, Mistral or Qwen2 folder or .gguf file (converted to "
+                          "LEX in memory, as lex convert-hf does) to fine-tune; omit to train from scratch"},
+    )
+    attention_mode: str | None = field(
+        default=None, metadata={"choices": ATTENTION_MODES, "help": "as lex convert-hf's (default: the model's)"}
+    )
+    attention_window: int | None = field(default=None, metadata={"help": "as lex convert-hf's"})
+    attention_sinks: int | None = field(default=None, metadata={"help": "as lex convert-hf's"})
+    attention_sink_positions: str | None = field(
+        default=None, metadata={"choices": SINK_POSITIONS, "help": "as lex convert-hf's"}
+    )
+    position_embedding_type: str | None = field(
+        default=None,
+        metadata={"choices": RETROFITS, "help": "a converted checkpoint's positions, as lex convert-hf's: rope (its "
+                                                "own) or the xpos retrofit"},
     )
     config_overrides: str | None = field(
         default=None, metadata={"help": 'LexConfig fields for a new model, e.g. "hidden_size=256,num_hidden_layers=4"'}
@@ -78,6 +100,24 @@ class DataArguments:
         default="concatenate",
         metadata={"help": "concatenate (run_clm's blocks) or documents: blocks whose documents do not attend to "
                           "each other (position_ids restart at each document)"},
+    )
+
+
+@dataclass
+class PeftArguments:
+    """LoRA through peft, with TRL's flag names (trl.ModelConfig)."""
+
+    use_peft: bool = field(default=False, metadata={"help": "train a LoRA adapter instead of every weight"})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA scale numerator (the update is alpha/r * B A)"})
+    lora_dropout: float = field(default=0.05, metadata={"help": "dropout on the LoRA input"})
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: list(LORA_TARGETS), metadata={"help": "module names LoRA adapts"}
+    )
+    merge_adapter: bool = field(
+        default=False,
+        metadata={"help": "save the model with the adapter merged into its weights (a plain LEX folder) instead of "
+                          "the adapter"},
     )
 
 
@@ -130,24 +170,65 @@ def check_model_arguments(model_args: ModelArguments, block_size: int) -> None:
                         "(run_clm refuses the pair too): drop one")
     if block_size < 2:
         raise DataError(f"--block_size must be >= 2, got {block_size}")
+    conversion = [name for name, value in conversion_arguments(model_args).items() if value is not None]
+    if conversion and not model_args.model_name_or_path:
+        raise DataError(f"--{conversion[0]} applies to a --model_name_or_path; a new model takes it in "
+                        "--config_overrides")
+    if model_args.attention_sinks is not None and model_args.attention_sinks < 0:
+        raise DataError(f"--attention_sinks must be >= 0, got {model_args.attention_sinks}")
     if model_args.model_name_or_path:
-        model_config(model_args.model_name_or_path, "--model_name_or_path")
+        model_config(model_args.model_name_or_path, "--model_name_or_path", gguf=True)
     elif block_size % 2 and "attention_window" not in parse_overrides(model_args.config_overrides):
         raise DataError(f"--block_size {block_size} must be even: a new model's attention window is the training "
                         "length, cut into blocks of half of it (or set attention_window in --config_overrides)")
 
 
+def conversion_arguments(model_args: ModelArguments) -> dict:
+    """The arguments of `lex convert-hf` that --model_name_or_path is loaded with (None: the model's own)."""
+    names = ("attention_mode", "attention_window", "attention_sinks", "attention_sink_positions",
+             "position_embedding_type")
+    return {name: getattr(model_args, name) for name in names}
+
+
+def check_peft_arguments(peft_args: PeftArguments) -> None:
+    if not peft_args.use_peft:
+        if peft_args.merge_adapter:
+            raise DataError("--merge_adapter merges a LoRA adapter: it needs --use_peft")
+        return
+    if peft_args.lora_r < 1:
+        raise DataError(f"--lora_r must be >= 1, got {peft_args.lora_r}")
+    if peft_args.lora_alpha <= 0:
+        raise DataError(f"--lora_alpha must be > 0, got {peft_args.lora_alpha}")
+    if not 0 <= peft_args.lora_dropout < 1:
+        raise DataError(f"--lora_dropout must be in [0, 1), got {peft_args.lora_dropout}")
+
+
+def with_adapter(model, peft_args: PeftArguments):
+    """`model` under a new LoRA adapter (peft) on --lora_target_modules, or a DataError naming the modules that
+    are not in it and those that are."""
+    from peft import LoraConfig, get_peft_model
+
+    names = {name.rpartition(".")[2] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    missing = [name for name in peft_args.lora_target_modules if name not in names]
+    if missing:
+        raise DataError(f"--lora_target_modules: {', '.join(missing)} not in the model; its linear modules: "
+                        f"{', '.join(sorted(names))}")
+    config = LoraConfig(r=peft_args.lora_r, lora_alpha=peft_args.lora_alpha, lora_dropout=peft_args.lora_dropout,
+                        target_modules=list(peft_args.lora_target_modules), task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
 def build_model(model_args: ModelArguments, block_size: int, tokenizer):
-    """Fine-tune a folder, or build a new LexConfig at the training length from the overrides."""
+    """Fine-tune a folder or a converted checkpoint, or build a new LexConfig at the training length from the
+    overrides."""
     if model_args.model_name_or_path:
-        config = model_config(model_args.model_name_or_path, "--model_name_or_path")
-        window = getattr(config, "attention_window", None) or config.max_position_embeddings
+        model = load_for_training(model_args.model_name_or_path, **conversion_arguments(model_args))
+        window = getattr(model.config, "attention_window", None) or model.config.max_position_embeddings
         if block_size > window:
             raise DataError(
                 f"--block_size {block_size} exceeds the model's attention_window {window}: training beyond the "
                 "window would silently drop context; pass a smaller --block_size"
             )
-        model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path)
         if len(tokenizer) > model.config.vocab_size:
             model.resize_token_embeddings(len(tokenizer))
         return model
@@ -186,6 +267,8 @@ def load_tokenizer(model_args: ModelArguments, documents, checkpoint: str | None
         return named_tokenizer(checkpoint, "the checkpoint")
     source = model_args.model_name_or_path
     if source:
+        if source_gguf(source, "--model_name_or_path") is not None:
+            return load_model_tokenizer(source, "--model_name_or_path")
         if not Path(source).is_dir() or has_tokenizer(source):
             return named_tokenizer(source, "--model_name_or_path")
         logger.warning(
@@ -259,14 +342,20 @@ def resume_checkpoint(training_args: TrainingArguments, output_args: OutputArgum
     return None
 
 
-def save_full_model(model: torch.nn.Module, output_dir: str | Path, processing_class=None) -> None:
+def save_full_model(model: torch.nn.Module, output_dir: str | Path, processing_class=None,
+                    merge_adapter: bool = False) -> None:
     """Write config, model.safetensors and tokenizer to `output_dir` from a plain, DDP or FSDP2 model.
 
     Every rank must call it: under FSDP the full state dict is gathered collectively (a rank-0-only save hangs
     on NCCL and dies on gloo), whatever state-dict type the checkpoints used. Rank 0 writes the files into a
     staging folder and moves them in with config.json last, so a crash never leaves a folder that looks
     loadable but holds a partial model. The config says use_cache=True (the Trainer turned it off for training).
+    A peft model writes its adapter (adapter_config.json, adapter_model.safetensors: PeftModel.from_pretrained
+    reloads it onto its base model), or with `merge_adapter` the base model with the adapter merged into its
+    weights, a plain folder (every rank merges its own replica).
     """
+    if merge_adapter:
+        model = extract_model_from_parallel(model).merge_and_unload()
     state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     distributed = dist.is_available() and dist.is_initialized()
     if not distributed or dist.get_rank() == 0:
@@ -288,7 +377,7 @@ def perplexity(loss: float) -> float:
 
 def prepare(
     model_args: ModelArguments, data_args: DataArguments, training_args: TrainingArguments, do_train: bool,
-    do_eval: bool, checkpoint: str | None = None,
+    do_eval: bool, checkpoint: str | None = None, peft_args: PeftArguments | None = None,
 ):
     """Everything before training, with every input error raised before --output_dir is touched."""
     documents = load_documents(
@@ -301,6 +390,8 @@ def prepare(
     )
     tokenizer = load_tokenizer(model_args, documents, checkpoint)
     model = build_model(model_args, data_args.block_size, tokenizer)
+    if peft_args is not None and peft_args.use_peft:
+        model = with_adapter(model, peft_args)
     workers = data_args.preprocessing_num_workers
     with training_args.main_process_first(desc="tokenize and pack"):
         tokenized = {split: tokenize_documents(documents[split], tokenizer, workers) for split in documents}
@@ -317,11 +408,12 @@ def prepare(
 
 
 def check_arguments(model_args: ModelArguments, data_args: DataArguments, training_args: TrainingArguments,
-                    output_args: OutputArguments | None = None) -> str | None:
+                    output_args: OutputArguments | None = None, peft_args: PeftArguments | None = None) -> str | None:
     """Every refusal that the arguments alone decide, in a moment, before any data is read; returns the
     checkpoint training will resume from (`resume_checkpoint`)."""
     check_launch(training_args)
     check_model_arguments(model_args, data_args.block_size)
+    check_peft_arguments(peft_args or PeftArguments())
     if not 0 < data_args.validation_split_percentage < 100:
         raise DataError(f"--validation_split_percentage must be between 0 and 100, got "
                         f"{data_args.validation_split_percentage:g}")
@@ -329,18 +421,21 @@ def check_arguments(model_args: ModelArguments, data_args: DataArguments, traini
 
 
 def train(model_args: ModelArguments, data_args: DataArguments, training_args: TrainingArguments,
-          output_args: OutputArguments | None = None) -> dict:
-    """Train and/or evaluate; a training run leaves a complete folder: model, tokenizer, state, metrics, curve.
+          output_args: OutputArguments | None = None, peft_args: PeftArguments | None = None) -> dict:
+    """Train and/or evaluate; a training run leaves a complete folder: model (or LoRA adapter), tokenizer, state,
+    metrics, curve.
 
     Resumes from the last checkpoint in --output_dir (see `resume_checkpoint`).
     """
+    peft_args = peft_args or PeftArguments()
     do_train, do_eval = stages(training_args)
-    checkpoint = check_arguments(model_args, data_args, training_args, output_args)
+    checkpoint = check_arguments(model_args, data_args, training_args, output_args, peft_args)
     if checkpoint and not training_args.resume_from_checkpoint:
         logger.warning("resuming from %s, the last checkpoint in --output_dir (pass --overwrite_output_dir to start "
                        "again)", checkpoint)
     set_seed(training_args.seed)
-    model, tokenizer, blocks = prepare(model_args, data_args, training_args, do_train, do_eval, checkpoint)
+    model, tokenizer, blocks = prepare(model_args, data_args, training_args, do_train, do_eval, checkpoint,
+                                       peft_args)
     trainer = Trainer(
         model=model,
         args=training_args,
@@ -352,7 +447,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, training_args: T
     metrics = {}
     if do_train:
         result = trainer.train(resume_from_checkpoint=checkpoint)
-        save_full_model(trainer.model_wrapped, training_args.output_dir, tokenizer)
+        save_full_model(trainer.model_wrapped, training_args.output_dir, tokenizer, peft_args.merge_adapter)
         metrics.update(result.metrics)
         trainer.log_metrics("train", result.metrics)
         trainer.save_metrics("train", result.metrics)

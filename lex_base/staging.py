@@ -153,8 +153,8 @@ def atomic_directory(out_dir: str | Path, force: bool = False) -> Iterator[Path]
 
 @contextmanager
 def atomic_files(folder: str | Path, names: tuple[str, ...] = (), force: bool = True) -> Iterator[Path]:
-    """Yield a staging folder; on success every file written there is moved into `folder`, config.json last
-    (so a folder never looks loadable before its weights are in place).
+    """Yield a staging folder; on success every file written there is moved into `folder`, config.json (or a
+    peft adapter's adapter_config.json) last (so a folder never looks loadable before its weights are in place).
 
     `names` are the files the caller will write: existing ones are refused (FileExistsError) unless `force`.
     """
@@ -167,7 +167,8 @@ def atomic_files(folder: str | Path, names: tuple[str, ...] = (), force: bool = 
     try:
         yield staging
         apply_umask(staging)
-        for name in sorted((p.name for p in staging.iterdir()), key=lambda name: name == "config.json"):
+        configs = ("config.json", "adapter_config.json")
+        for name in sorted((p.name for p in staging.iterdir()), key=lambda name: name in configs):
             os.replace(staging / name, folder / name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

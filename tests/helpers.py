@@ -158,3 +158,66 @@ def load_weights(state: dict, strict: bool = True, **config) -> LexForCausalLM:
 def greedy_tokens(model, ids, new_tokens: int, **options) -> torch.Tensor:
     """The sequences of transformers' greedy search."""
     return model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=PAD, **options)
+
+
+# ---------------------------------------------------------------- tiny .gguf files
+
+
+def llama_gguf(path, model, tokenizer) -> None:
+    """Write a LlamaForCausalLM (float32) and its byte-level BPE tokenizer as a llama.cpp GGUF file, as llama.cpp's
+    convert_hf_to_gguf.py writes one: tensors under GGUF's names, q/k rows permuted per head into its
+    interleaved rotation layout (`permute` there), written here from that script, not from this package."""
+    import json
+
+    import gguf
+
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+
+    def permute(weights: torch.Tensor, n_head: int) -> torch.Tensor:
+        return weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(
+            weights.shape)
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    backend = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
+    tokens = sorted(backend["vocab"], key=backend["vocab"].get)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if token in tokenizer.all_special_tokens else 1 for token in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in backend["merges"]])
+    writer.add_bos_token_id(tokenizer.bos_token_id)
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    layer_names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                   "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                   "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                   "mlp.down_proj": "ffn_down"}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if name.startswith("model.layers."):
+            _, _, index, rest = name.split(".", 3)
+            module, _, kind = rest.rpartition(".")
+            if module == "self_attn.q_proj":
+                tensor = permute(tensor, heads)
+            elif module == "self_attn.k_proj":
+                tensor = permute(tensor, kv_heads)
+            name = f"blk.{index}.{layer_names[module]}.{kind}"
+        else:
+            name = names[name]
+        writer.add_tensor(name, tensor.detach().float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -369,8 +369,8 @@ def test_readme_command_lines_parse_as_written(tmp_path, monkeypatch):
     for name, *args in lines:
         args = [a for a in args if a != "..."]
         if name == "train":
-            model_args, data_args, output_args, training_args = TrainArgumentParser().parse(args)
-            check_arguments(model_args, data_args, training_args, output_args)
+            model_args, data_args, output_args, peft_args, training_args = TrainArgumentParser().parse(args)
+            check_arguments(model_args, data_args, training_args, output_args, peft_args)
         else:
             tables[name].parse_args(args)
 

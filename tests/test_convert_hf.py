@@ -8,6 +8,7 @@ modeling_lex). Everything runs in float32 on the CPU and nothing is downloaded.
 """
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -514,3 +515,29 @@ def test_lex_train_fine_tunes_a_converted_folder(tmp_path):
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
     tuned = AutoModelForCausalLM.from_pretrained(out)
     assert tuned.config.model_type == "lex" and tuned.config.num_key_value_heads == 2
+
+
+# ---------------------------------------------------------------- the xPos retrofit
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_llama3_untied", "llama_biases_linear", "llama_yarn",
+                                  "qwen2_qkv_biases_tied"])
+def test_xpos_retrofit_with_its_scale_set_to_1_computes_the_rope_source(name, tmp_path, caplog):
+    """`--position_embedding_type xpos` keeps the source's rotation, scaled rope types included: with B infinite
+    (zeta^(n/B) = 1 exactly) the retrofit computes what the source does; with its fitted B = l/2 it does not."""
+    source = source_model(name)
+    source.save_pretrained(tmp_path / "src")
+    out = tmp_path / "xpos"
+    with caplog.at_level(logging.WARNING, logger="convert.hf"):
+        assert lex(["convert-hf", str(tmp_path / "src"), str(out), "--position_embedding_type", "xpos"]) == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        f"xPos retrofit of a RoPE {source.config.model_type} checkpoint (xpos_scale_base 16): its weights never saw "
+        "the scale; fine-tune it before use"]
+    retrofit = AutoModelForCausalLM.from_pretrained(out)
+    assert retrofit.config.position_embedding_type == "xpos"
+    assert retrofit.config.xpos_scale_base == LENGTH / 2
+    assert retrofit.config.rope_parameters == source.config.rope_parameters
+    unscaled = AutoModelForCausalLM.from_pretrained(out, xpos_scale_base=float("inf"))
+    tokens = ids(2, LONG)
+    torch.testing.assert_close(logits(unscaled, tokens), logits(source, tokens), atol=1e-4, rtol=0)
+    assert (logits(retrofit, tokens) - logits(source, tokens)).abs().max() > 1e-2

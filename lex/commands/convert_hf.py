@@ -22,6 +22,9 @@ def convert_hf_parser() -> LexArgumentParser:
     parser.add_argument("--attention_sink_positions", choices=SINK_POSITIONS, default="cache",
                         help="where a query sees its sinks from: within the cache (StreamingLLM's rule, the "
                              "default) or at their true positions")
+    parser.add_argument("--position_embedding_type", choices=hf.RETROFITS, default="rope",
+                        help="rope (the source's) or xpos: the same rotation plus xPos's scale, "
+                             "xpos_scale_base = max_position_embeddings / 2 (needs fine-tuning)")
     parser.add_argument("--dtype", choices=DTYPES, help="weights dtype (default: the source's)")
     parser.add_argument("--force", action="store_true", help="replace an existing OUT")
     return parser
@@ -34,12 +37,13 @@ def main_convert_hf(argv: list[str] | None = None) -> int:
         parser.error(f"{parser.flag('attention_sinks')} must be >= 0, got {args.attention_sinks}")
     config = hf.convert_hf(args.src, args.out, args.attention_mode, args.attention_window, args.dtype, args.force,
                            attention_sinks=args.attention_sinks,
-                           attention_sink_positions=args.attention_sink_positions)
+                           attention_sink_positions=args.attention_sink_positions,
+                           position_embedding_type=args.position_embedding_type)
     print(f"{args.src} -> {args.out}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-          f"{config.num_attention_heads} heads / {config.num_key_value_heads} key-value heads, rope "
-          f"{config.rope_parameters['rope_type']}, {config.attention_mode} attention (window "
-          f"{config.attention_window}, {config.attention_sinks} sinks at {config.attention_sink_positions} "
-          "positions)")
+          f"{config.num_attention_heads} heads / {config.num_key_value_heads} key-value heads, "
+          f"{config.position_embedding_type} (rope_type {config.rope_parameters['rope_type']}), "
+          f"{config.attention_mode} attention (window {config.attention_window}, {config.attention_sinks} sinks at "
+          f"{config.attention_sink_positions} positions)")
     return 0
 
 

@@ -1,6 +1,7 @@
 """`lex train`: train or fine-tune a LEX model with the HF Trainer, in the shape of run_clm.py.
 
     lex train --output_dir runs/kjv --config_overrides "hidden_size=256,num_hidden_layers=4" --block_size 256
+    lex train --output_dir runs/smol --model_name_or_path smol.gguf --attention_mode blockwise --use_peft ...
     accelerate launch --config_file lex/accelerate_configs/ddp_cpu.yaml -m lex.cli train ... --use_cpu   # DDP
 
 Model, data and tokenizer arguments follow examples/pytorch/language-modeling/run_clm.py; every
@@ -19,9 +20,17 @@ import sys
 from transformers import HfArgumentParser, TrainingArguments
 
 from lex.commands import ALIAS_NOTE, OneSpellingHelp, Spellings, UsageError
-from lex.training import DataArguments, ModelArguments, OutputArguments, check_arguments, process_log_levels, train
+from lex.training import (
+    DataArguments,
+    ModelArguments,
+    OutputArguments,
+    PeftArguments,
+    check_arguments,
+    process_log_levels,
+    train,
+)
 
-DATACLASSES = (ModelArguments, DataArguments, OutputArguments, TrainingArguments)
+DATACLASSES = (ModelArguments, DataArguments, OutputArguments, PeftArguments, TrainingArguments)
 
 
 class TrainHelp(OneSpellingHelp, argparse.ArgumentDefaultsHelpFormatter):
@@ -36,7 +45,7 @@ class TrainArgumentParser(Spellings, HfArgumentParser):
                          epilog=ALIAS_NOTE)
 
     def dataclasses_from(self, namespace_or_dict: dict) -> tuple:
-        """The four argument dataclasses; a value their own checks refuse (TrainingArguments.__post_init__:
+        """The argument dataclasses; a value their own checks refuse (TrainingArguments.__post_init__:
         incompatible strategies, an unknown optimizer, ...) is a UsageError, not a traceback."""
         values, outputs = dict(namespace_or_dict), []
         for dtype in DATACLASSES:
@@ -64,11 +73,12 @@ class TrainArgumentParser(Spellings, HfArgumentParser):
 
 def main(argv: list[str] | None = None) -> int:
     parser = TrainArgumentParser()
-    model_args, data_args, output_args, training_args = parser.parse(list(sys.argv[1:] if argv is None else argv))
-    check_arguments(model_args, data_args, training_args, output_args)  # refusals before any log line
+    model_args, data_args, output_args, peft_args, training_args = parser.parse(
+        list(sys.argv[1:] if argv is None else argv))
+    check_arguments(model_args, data_args, training_args, output_args, peft_args)  # refusals before any log line
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", datefmt="%m/%d/%Y %H:%M:%S")
     with process_log_levels(training_args):
-        metrics = train(model_args, data_args, training_args, output_args)
+        metrics = train(model_args, data_args, training_args, output_args, peft_args)
     if training_args.process_index == 0:
         print(json.dumps({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, indent=2))
     return 0
