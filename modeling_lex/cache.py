@@ -52,10 +52,10 @@ def _with_room(like: torch.Tensor, length: int) -> torch.Tensor:
 def _move(source: torch.Tensor, begin: int, end: int, target: torch.Tensor, at: int) -> None:
     """target[at : at + end - begin] = source[begin:end] along the keys, through a copy where the two ranges of one
     buffer overlap."""
-    held = source[:, :, begin:end]
+    moved = source[:, :, begin:end]
     if target is source and abs(at - begin) < end - begin:
-        held = held.clone()
-    target[:, :, at : at + end - begin] = held
+        moved = moved.clone()
+    target[:, :, at : at + end - begin] = moved
 
 
 class LexCacheLayer(DynamicLayer):
