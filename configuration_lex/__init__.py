@@ -5,6 +5,7 @@ from transformers import AutoConfig
 from .configuration_lex import (
     ABSOLUTE_POSITION_EMBEDDINGS,
     ATTENTION_MODES,
+    HF_MODEL_TYPES,
     HIDDEN_ACTS,
     MLP_TYPES,
     NORM_TYPES,
@@ -17,6 +18,6 @@ from .configuration_lex import (
 AutoConfig.register("lex", LexConfig, exist_ok=True)
 
 __all__ = [
-    "ABSOLUTE_POSITION_EMBEDDINGS", "ATTENTION_MODES", "HIDDEN_ACTS", "MLP_TYPES", "NORM_TYPES", "POSITION_EMBEDDING_TYPES",
-    "ROPE_TYPES", "SINK_POSITIONS", "LexConfig",
+    "ABSOLUTE_POSITION_EMBEDDINGS", "ATTENTION_MODES", "HF_MODEL_TYPES", "HIDDEN_ACTS", "MLP_TYPES", "NORM_TYPES",
+    "POSITION_EMBEDDING_TYPES", "ROPE_TYPES", "SINK_POSITIONS", "LexConfig",
 ]
