@@ -5,10 +5,13 @@ rotary (`rope_layers`).
 References are transformers' own classes, tiny and with every parameter perturbed: a converted model computes what
 its source computes (full mode, past the source's max_position_embeddings), and in blockwise and sliding modes
 what the source computes under an explicit window mask, or with its sinks re-rotated to their places in the
-cache (tests/reference.py). Everything runs in float32 on the CPU and nothing is downloaded.
+cache (tests/reference.py). A Qwen3 `.gguf` written here with the gguf package's writer converts as transformers'
+GGUF loader reads it, and `lex eval-length` reads a Qwen3 folder in full and sliding modes with and without sinks.
+Everything runs in float32 on the CPU and nothing is downloaded.
 """
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -29,7 +32,7 @@ from convert.checkpoint import ConversionError
 from convert.hf import convert_hf, convert_to_hf, lex_config_from_hf, lex_from_hf
 from lex.cli import main as lex
 from tests import reference
-from tests.helpers import perturb, perturbed_model
+from tests.helpers import perturb, perturbed_model, word_tokenizer
 
 pytestmark = pytest.mark.oldest  # also run on the oldest transformers we declare
 
@@ -248,6 +251,111 @@ def test_what_the_family_does_not_compute_is_refused_on_the_way_back(fields, fie
         convert_to_hf(tmp_path / "lex", tmp_path / "hf")
     assert str(error.value).startswith(f"LexConfig.{field}=")
     assert not (tmp_path / "hf").exists()
+
+
+# ---------------------------------------------------------------- a .gguf file and lex eval-length
+
+
+def write_qwen3_gguf(path: Path, model) -> list[str]:
+    """`model` as a float32 Qwen3 .gguf file with a byte-level BPE tokenizer of 97 tokens (95 characters and two
+    merges), written with the gguf package's writer under llama.cpp's names; returns the tokens."""
+    import gguf
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    config = model.config
+    writer = gguf.GGUFWriter(path, "qwen3")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    chars = list(bytes_to_unicode().values())[:95]
+    tokens = chars + [chars[64] + chars[65], chars[66] + chars[67]]  # "ab", "cd"
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * len(tokens))
+    writer.add_token_merges([f"{chars[64]} {chars[65]}", f"{chars[66]} {chars[67]}"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, config.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        module, kind = name.rsplit(".", 1)
+        writer.add_tensor(f"{names.get_name(module)}.{kind}", tensor.detach().float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return tokens
+
+
+def test_a_qwen3_gguf_converts_with_its_tokenizer(tmp_path):
+    """transformers' GGUF loader reads Qwen3 (head_dim is not in its key map: 128, Qwen3's default and every
+    published Qwen3's); `lex convert-hf FILE.gguf` computes what the loaded model computes and keeps its tokenizer."""
+    pytest.importorskip("gguf")
+    from transformers import AutoTokenizer
+
+    path = tmp_path / "gguf" / "qwen3-tiny.gguf"
+    path.parent.mkdir()
+    write_qwen3_gguf(path, source_model("qwen3_gqa_untied", head_dim=128, num_attention_heads=2,
+                                        num_key_value_heads=1))
+    loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    assert type(loaded) is Qwen3ForCausalLM
+    assert lex(["convert-hf", str(path), str(tmp_path / "lex")]) == 0
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "lex")
+    assert (converted.config.hf_model_type, converted.config.qk_norm) == ("qwen3", True)
+    tokens = ids(2, LONG)
+    assert_same_logits(logits(converted, tokens), logits(loaded, tokens))
+    text = "abcd dcba"
+    expected = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)(text).input_ids
+    assert AutoTokenizer.from_pretrained(tmp_path / "lex")(text).input_ids == expected
+    assert 95 in expected and 96 in expected  # the merges came along
+
+
+def reference_ppl(model, documents: list[torch.Tensor], mask: torch.Tensor | None) -> float:
+    """Perplexity of the documents read in one window each by transformers' class (under `mask`, if given)."""
+    nll, count = 0.0, 0
+    for document in documents:
+        with torch.no_grad():
+            scores = model(document[None], attention_mask=mask).logits[0, :-1]
+        nll += torch.nn.functional.cross_entropy(scores, document[1:], reduction="sum").item()
+        count += len(document) - 1
+    return math.exp(nll / count)
+
+
+def test_eval_length_on_a_qwen3_folder_reads_full_and_sliding_with_and_without_sinks(tmp_path, capsys):
+    """Full attention is the checkpoint as published; sliding (w = 8) with 0 and 4 sinks is the checkpoint converted
+    in memory, equal to transformers' Qwen3 under the window's mask (with sinks: re-rotated within the cache)."""
+    folder = tmp_path / "qwen3"
+    source_model("qwen3_gqa_untied").save_pretrained(folder)
+    tokenizer, words = word_tokenizer()
+    tokenizer.save_pretrained(folder)
+    (tmp_path / "docs").mkdir()
+    generator = torch.Generator().manual_seed(3)
+    texts = [" ".join(words[i] for i in torch.randint(0, 96, (60,), generator=generator)) for _ in range(2)]
+    for i, text in enumerate(texts):
+        (tmp_path / "docs" / f"doc{i}.txt").write_text(text)
+    out = tmp_path / "eval"
+    assert lex(["eval-length", str(folder), "--files", f"{tmp_path / 'docs'}/*.txt", "--lengths", "48",
+                "--attention_modes", "full,sliding", "--attention_sinks", "0,4", "--attention_window", "8",
+                "--protocols", "strided", "--output_dir", str(out)]) == 0
+    assert "| sliding + 4 sinks |" in capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())
+    rows = {(r["attention_mode"], r["attention_sinks"]): r["ppl"] for r in results}
+    assert set(rows) == {("full", 0), ("sliding", 0), ("sliding", 4)}
+    documents = [torch.tensor(tokenizer(text, add_special_tokens=False).input_ids[:48]) for text in texts]
+    source = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    assert rows["full", 0] == pytest.approx(reference_ppl(source, documents, None), rel=1e-5)
+    assert rows["sliding", 0] == pytest.approx(reference_ppl(source, documents, window_mask("sliding", 48, 8)),
+                                               rel=1e-5)
+    reference.use_window_attention(source, "sliding", 8, 4)
+    assert rows["sliding", 4] == pytest.approx(reference_ppl(source, documents, None), rel=1e-5)
+    assert len({round(ppl, 6) for ppl in rows.values()}) == 3
 
 
 @pytest.mark.parametrize("fields, message", [
