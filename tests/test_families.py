@@ -5,9 +5,9 @@ rotary (`rope_layers`).
 References are transformers' own classes, tiny and with every parameter perturbed: a converted model computes what
 its source computes (full mode, past the source's max_position_embeddings), and in blockwise and sliding modes
 what the source computes under an explicit window mask, or with its sinks re-rotated to their places in the
-cache (tests/reference.py). A Qwen3 `.gguf` written here with the gguf package's writer converts as transformers'
-GGUF loader reads it, and `lex eval-length` reads a Qwen3 folder in full and sliding modes with and without sinks.
-Everything runs in float32 on the CPU and nothing is downloaded.
+cache (tests/reference.py). A Qwen3 and a Phi-3 `.gguf` written here with the gguf package's writer convert as
+transformers' GGUF loader reads them, and `lex eval-length` reads a Qwen3 folder in full and sliding modes with and
+without sinks. Everything runs in float32 on the CPU and nothing is downloaded.
 """
 
 import json
@@ -256,14 +256,15 @@ def test_what_the_family_does_not_compute_is_refused_on_the_way_back(fields, fie
 # ---------------------------------------------------------------- a .gguf file and lex eval-length
 
 
-def write_qwen3_gguf(path: Path, model) -> list[str]:
-    """`model` as a float32 Qwen3 .gguf file with a byte-level BPE tokenizer of 97 tokens (95 characters and two
-    merges), written with the gguf package's writer under llama.cpp's names; returns the tokens."""
+def write_gguf(path: Path, model) -> None:
+    """`model` (a Qwen3 or a Phi-3) as a float32 .gguf file under llama.cpp's names, written with the gguf package's
+    writer, with a tokenizer of its family's kind: Qwen3 a byte-level BPE of 97 tokens (95 characters and the
+    merges "ab" and "cd"), Phi-3 a sentencepiece vocabulary of 97 words."""
     import gguf
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    config = model.config
-    writer = gguf.GGUFWriter(path, "qwen3")
+    config, architecture = model.config, model.config.model_type
+    writer = gguf.GGUFWriter(path, architecture)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_embedding_length(config.hidden_size)
@@ -273,17 +274,24 @@ def write_qwen3_gguf(path: Path, model) -> list[str]:
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
-    chars = list(bytes_to_unicode().values())[:95]
-    tokens = chars + [chars[64] + chars[65], chars[66] + chars[67]]  # "ab", "cd"
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
+    if architecture == "qwen3":
+        chars = list(bytes_to_unicode().values())[:95]
+        tokens = chars + [chars[64] + chars[65], chars[66] + chars[67]]  # "ab", "cd"
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("qwen2")
+        writer.add_token_merges([f"{chars[64]} {chars[65]}", f"{chars[66]} {chars[67]}"])
+        writer.add_token_types([1] * len(tokens))
+    else:
+        tokens = ["<unk>", "<s>", "</s>"] + [f"\u2581w{i}" for i in range(94)]
+        writer.add_tokenizer_model("llama")
+        writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+        writer.add_token_scores([0.0] * 3 + [-float(i) for i in range(94)])
+        writer.add_token_types([2, 3, 3] + [1] * 94)
     writer.add_token_list(tokens)
-    writer.add_token_types([1] * len(tokens))
-    writer.add_token_merges([f"{chars[64]} {chars[65]}", f"{chars[66]} {chars[67]}"])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_pad_token_id(0)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, config.num_hidden_layers)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[architecture.upper()], config.num_hidden_layers)
     for name, tensor in model.state_dict().items():
         module, kind = name.rsplit(".", 1)
         writer.add_tensor(f"{names.get_name(module)}.{kind}", tensor.detach().float().numpy())
@@ -291,30 +299,34 @@ def write_qwen3_gguf(path: Path, model) -> list[str]:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return tokens
 
 
-def test_a_qwen3_gguf_converts_with_its_tokenizer(tmp_path):
-    """transformers' GGUF loader reads Qwen3 (head_dim is not in its key map: 128, Qwen3's default and every
-    published Qwen3's); `lex convert-hf FILE.gguf` computes what the loaded model computes and keeps its tokenizer."""
+@pytest.mark.parametrize("name, overrides", [
+    # transformers' GGUF key map has no head_dim for Qwen3: 128, its default and every published Qwen3's
+    ("qwen3_gqa_untied", dict(head_dim=128, num_attention_heads=2, num_key_value_heads=1)),
+    ("phi3_gqa_untied", {}),
+])
+def test_a_gguf_converts_as_transformers_loader_reads_it(name, overrides, tmp_path):
+    """`lex convert-hf FILE.gguf` computes what the model transformers' GGUF loader reads computes (Phi-3's fused
+    tensors included) and keeps the file's tokenizer."""
     pytest.importorskip("gguf")
     from transformers import AutoTokenizer
 
-    path = tmp_path / "gguf" / "qwen3-tiny.gguf"
+    source = source_model(name, **overrides)
+    path = tmp_path / "gguf" / "tiny.gguf"
     path.parent.mkdir()
-    write_qwen3_gguf(path, source_model("qwen3_gqa_untied", head_dim=128, num_attention_heads=2,
-                                        num_key_value_heads=1))
+    write_gguf(path, source)
     loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    assert type(loaded) is Qwen3ForCausalLM
+    assert type(loaded) is type(source)
     assert lex(["convert-hf", str(path), str(tmp_path / "lex")]) == 0
     converted = AutoModelForCausalLM.from_pretrained(tmp_path / "lex")
-    assert (converted.config.hf_model_type, converted.config.qk_norm) == ("qwen3", True)
+    assert converted.config.hf_model_type == source.config.model_type
     tokens = ids(2, LONG)
     assert_same_logits(logits(converted, tokens), logits(loaded, tokens))
-    text = "abcd dcba"
+    text = "abcd dcba w3 w17"
     expected = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)(text).input_ids
     assert AutoTokenizer.from_pretrained(tmp_path / "lex")(text).input_ids == expected
-    assert 95 in expected and 96 in expected  # the merges came along
+    assert {95, 96} <= set(expected) or source.config.model_type != "qwen3"  # Qwen3's merges came along
 
 
 def reference_ppl(model, documents: list[torch.Tensor], mask: torch.Tensor | None) -> float:
