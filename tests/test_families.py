@@ -370,6 +370,29 @@ def test_eval_length_on_a_qwen3_folder_reads_full_and_sliding_with_and_without_s
     assert len({round(ppl, 6) for ppl in rows.values()}) == 3
 
 
+def test_lex_generate_continues_a_smollm3_folder_through_a_window_with_sinks(tmp_path, capsys):
+    """`lex generate SMOLLM3 --attention_mode sliding --attention_window 8 --attention_sinks 4` (converted in
+    memory): the continuation is transformers' SmolLM3 decoding greedily under the naive window attention with its
+    sinks within the cache, re-rotated only in the layers with rotary."""
+    folder = tmp_path / "smollm3"
+    source_model("smollm3_no_rope_gqa_tied", bos_token_id=None, eos_token_id=None).save_pretrained(folder)
+    tokenizer, words = word_tokenizer()
+    tokenizer.save_pretrained(folder)
+    text = " ".join(words[(7 * i) % 96] for i in range(40))
+    (tmp_path / "prompt.txt").write_text(text)
+    prompt = tokenizer(text, return_tensors="pt").input_ids
+    sequence = prompt
+    windowed = reference.use_window_attention(AutoModelForCausalLM.from_pretrained(folder).eval(), "sliding", 8, 4)
+    for _ in range(12):
+        with torch.no_grad():
+            sequence = torch.cat([sequence, windowed(sequence).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert lex(["generate", str(folder), "--prompt_file", str(tmp_path / "prompt.txt"), "--max_new_tokens", "12",
+                "--attention_mode", "sliding", "--attention_window", "8", "--attention_sinks", "4"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.split() == tokenizer.decode(sequence[0, prompt.shape[1] :]).split()
+    assert "sliding attention, window 8, 4 attention sinks" in captured.err
+
+
 @pytest.mark.parametrize("fields, message", [
     (dict(rope_layers=[True]), "LexConfig.rope_layers has 1 entries: one per layer (num_hidden_layers=2)"),
     (dict(rope_layers=[True, False], position_embedding_type="xpos"), "supported with 'rope' only"),
