@@ -7,12 +7,15 @@ its source computes (full mode, past the source's max_position_embeddings), and 
 what the source computes under an explicit window mask, or with its sinks re-rotated to their places in the
 cache (tests/reference.py). A Qwen3 and a Phi-3 `.gguf` written here with the gguf package's writer convert as
 transformers' GGUF loader reads them, and `lex eval-length` reads a Qwen3 folder in full and sliding modes with and
-without sinks. Everything runs in float32 on the CPU and nothing is downloaded.
+without sinks; `lex generate` continues a SmolLM3 folder through a window with sinks, and `lex export` of a converted
+folder loads by remote code without this package. Everything runs in float32 on the CPU and nothing is downloaded.
 """
 
 import json
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -391,6 +394,35 @@ def test_lex_generate_continues_a_smollm3_folder_through_a_window_with_sinks(tmp
     captured = capsys.readouterr()
     assert captured.out.split() == tokenizer.decode(sequence[0, prompt.shape[1] :]).split()
     assert "sliding attention, window 8, 4 attention sinks" in captured.err
+
+
+@pytest.mark.parametrize("name", ["qwen3_gqa_untied", "smollm3_no_rope_gqa_tied"])
+def test_lex_export_of_a_converted_folder_loads_by_remote_code_without_this_package(name, tmp_path):
+    """A converted Qwen3 (q/k norms) or SmolLM3 (layers without rotary), read through a window with sinks, exported
+    with `lex export`: transformers loads it from the folder's own code, in a process where this package cannot be
+    imported, and computes what the converted model computes."""
+    model = lex_from_hf(source_model(name), attention_mode="sliding", attention_window=8, attention_sinks=4)
+    model.save_pretrained(tmp_path / "lex")
+    word_tokenizer()[0].save_pretrained(tmp_path / "lex")
+    assert lex(["export", str(tmp_path / "lex"), str(tmp_path / "exported")]) == 0
+    tokens = ids(1, 40)
+    torch.save({"ids": tokens, "logits": logits(model, tokens)}, tmp_path / "expected.pt")
+    script = (
+        "import sys\n"
+        "for name in ('configuration_lex', 'modeling_lex', 'convert', 'lex', 'lex_base', 'tests'):\n"
+        "    sys.modules[name] = None\n"
+        "import torch\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"model = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'exported')!r}, trust_remote_code=True)\n"
+        "assert type(model).__module__.startswith('transformers_modules.'), type(model).__module__\n"
+        f"expected = torch.load({str(tmp_path / 'expected.pt')!r})\n"
+        "with torch.no_grad():\n"
+        "    torch.testing.assert_close(model(expected['ids']).logits, expected['logits'], atol=1e-5, rtol=1e-5)\n"
+        "print('remote code ok')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": "", "HF_HOME": str(tmp_path / "hf")})
+    assert run.returncode == 0 and "remote code ok" in run.stdout, run.stderr[-3000:]
 
 
 @pytest.mark.parametrize("fields, message", [
