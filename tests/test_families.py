@@ -164,7 +164,7 @@ def test_windowed_conversion_equals_the_source_under_its_window(name, mode, sink
 
 @pytest.mark.parametrize("name", ["smollm3_no_rope_gqa_tied", "qwen3_gqa_untied"])
 def test_decoding_through_the_bounded_cache_with_sinks_equals_the_reference(name):
-    """generate() through LEX's bounded cache (sliding w = 8, 4 sinks in the cache's frame): each step picks what
+    """generate() through LEX's bounded caches (sliding w = 8, 4 sinks in the cache's frame): each step picks what
     the source picks in one full forward under the same window, sinks re-rotated only in layers with rotary."""
     model = lex_from_hf(source_model(name), attention_mode="sliding", attention_window=8, attention_sinks=4)
     reference_model = reference.use_window_attention(source_model(name), "sliding", 8, 4)
@@ -175,6 +175,9 @@ def test_decoding_through_the_bounded_cache_with_sinks_equals_the_reference(name
             step = reference_model(tokens, use_cache=False).logits[:, -1]
             tokens = torch.cat([tokens, step.argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(greedy(model, prompt, new=12), tokens)
+    static = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False,
+                            pad_token_id=0, eos_token_id=None, cache_implementation="static")
+    assert torch.equal(static, tokens)  # LexStaticCache too
 
 
 # ---------------------------------------------------------------- folders, both ways
