@@ -5,8 +5,8 @@ biases, an optional fairseq sinusoidal absolute embedding) are here so that ever
 `Decoder` language model maps onto a LexConfig without loss; the modern backbone (grouped-query attention,
 `head_dim`, RMSNorm, a gated MLP, q/k/v biases apart from the output projection's, `rope_parameters`) so that
 every Llama, Mistral, Qwen2, Qwen3 (per-head q/k norms), Phi-3 and SmolLM3 (layers without rotary) checkpoint does
-too. Names follow LlamaConfig where the concept is the same. The
-defaults are TorchScale's decoder: every config saved before these fields existed loads unchanged.
+too. Names follow LlamaConfig where the concept is the same. The defaults are TorchScale's decoder: every config
+saved before these fields existed loads unchanged.
 
 Validation is transformers v5's (`@strict` from huggingface_hub, as in LlamaConfig): every field is checked on
 construction and on every later assignment against its type (the `Literal` types below list the allowed choices)

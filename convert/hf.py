@@ -55,7 +55,7 @@ from transformers import (
 from transformers.utils import is_gguf_available
 from transformers.utils.hub import convert_file_size_to_int
 
-from configuration_lex import ATTENTION_MODES, LexConfig
+from configuration_lex import ATTENTION_MODES, HF_MODEL_TYPES, LexConfig
 from lex_base.staging import atomic_directory
 from modeling_lex import LexForCausalLM
 from modeling_lex.positions import POSITION_METHODS
@@ -207,9 +207,10 @@ def source_family(hf_config) -> dict:
     if model_type == "smollm3":
         if any(flag not in (0, 1) for flag in hf_config.no_rope_layers):
             raise ConversionError(f"smollm3 no_rope_layers={list(hf_config.no_rope_layers)}: allowed: 0 or 1 per layer")
-        rope_layers = [bool(flag) for flag in hf_config.no_rope_layers]
-    return dict(qk_norm=model_type == "qwen3", rope_layers=None if rope_layers is None or all(rope_layers)
-                else rope_layers, hf_model_type=model_type if model_type in ("qwen3", "phi3", "smollm3") else None)
+        flags = [bool(flag) for flag in hf_config.no_rope_layers]
+        rope_layers = None if all(flags) else flags  # rotary on every layer: as any LEX model with rope
+    return dict(qk_norm=model_type == "qwen3", rope_layers=rope_layers,
+                hf_model_type=model_type if model_type in HF_MODEL_TYPES else None)
 
 
 def lex_config_from_hf(
