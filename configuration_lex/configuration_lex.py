@@ -4,8 +4,9 @@ The architecture switches (pre/post norm, subln, deepnorm, embedding layer norm 
 biases, an optional fairseq sinusoidal absolute embedding) are here so that every dense TorchScale
 `Decoder` language model maps onto a LexConfig without loss; the modern backbone (grouped-query attention,
 `head_dim`, RMSNorm, a gated MLP, q/k/v biases apart from the output projection's, `rope_parameters`) so that
-every Llama, Mistral and Qwen2 checkpoint does too. Names follow LlamaConfig where the concept is the same. The
-defaults are TorchScale's decoder: every config saved before these fields existed loads unchanged.
+every Llama, Mistral, Qwen2, Qwen3 (per-head q/k norms), Phi-3 and SmolLM3 (layers without rotary) checkpoint does
+too. Names follow LlamaConfig where the concept is the same. The defaults are TorchScale's decoder: every config
+saved before these fields existed loads unchanged.
 
 Validation is transformers v5's (`@strict` from huggingface_hub, as in LlamaConfig): every field is checked on
 construction and on every later assignment against its type (the `Literal` types below list the allowed choices)
@@ -15,8 +16,8 @@ construction and `save_pretrained` runs again before writing. Errors are
 `StrictDataclassClassValidationError` (a cross-field rule), both `StrictDataclassError`; neither is a ValueError.
 
 The Literal types are the one source of the allowed values: POSITION_EMBEDDING_TYPES, ATTENTION_MODES,
-HIDDEN_ACTS, NORM_TYPES, MLP_TYPES, ROPE_TYPES and ABSOLUTE_POSITION_EMBEDDINGS are derived from them; CLI
-choices and converters import those.
+HIDDEN_ACTS, NORM_TYPES, MLP_TYPES, ROPE_TYPES, ABSOLUTE_POSITION_EMBEDDINGS and HF_MODEL_TYPES are derived from
+them; CLI choices and converters import those.
 """
 
 from typing import Literal, get_args
@@ -39,6 +40,9 @@ AbsolutePositionEmbedding = Literal[None, "sinusoidal"]
 # "cache", StreamingLLM's positions within the cache (the sinks just before the query's window), so a sink is never
 # further than S + w from its query.
 SinkPositions = Literal["true", "cache"]
+# The transformers families a converted checkpoint can come from beside Llama, Mistral and Qwen2 (which the other
+# fields imply), which `lex convert-to-hf` writes back.
+HfModelType = Literal[None, "qwen3", "phi3", "smollm3"]
 
 POSITION_EMBEDDING_TYPES: tuple[str, ...] = get_args(PositionEmbeddingType)
 ATTENTION_MODES: tuple[str, ...] = get_args(AttentionMode)
@@ -48,6 +52,7 @@ MLP_TYPES: tuple[str, ...] = get_args(MlpType)
 ROPE_TYPES: tuple[str, ...] = get_args(RopeType)
 ABSOLUTE_POSITION_EMBEDDINGS: tuple[str | None, ...] = get_args(AbsolutePositionEmbedding)
 SINK_POSITIONS: tuple[str, ...] = get_args(SinkPositions)
+HF_MODEL_TYPES: tuple[str | None, ...] = get_args(HfModelType)
 
 # Field validators (the type is checked first, so these see numbers only; bools are refused as numbers).
 positive = interval(min=0, exclude_min=True)
@@ -92,6 +97,15 @@ class LexConfig(PreTrainedConfig):
             used by every norm of the model.
         mlp_type: "fc" (TorchScale's fc1 -> act -> fc2) or "gated" (Llama's down_proj(act(gate_proj(x)) *
             up_proj(x))).
+        qk_norm: a norm (`norm_type`, over each head's `head_dim`) on every head's queries and keys before
+            positions are applied (Qwen3's q_norm and k_norm). Default False.
+        rope_layers: per layer, whether it takes rotary positions (None, the default: every layer). A layer with
+            False attends without any position information (SmolLM3's `no_rope_layers`, where 1 means rotary
+            too); only with `position_embedding_type="rope"`.
+        hf_model_type: the transformers family a converted checkpoint came from, "qwen3", "phi3" or "smollm3",
+            which `lex convert-to-hf` writes back (Phi-3's fused projections are no part of the model's math).
+            None (default): the one the other fields imply (Llama, Mistral or Qwen2; Qwen3 with `qk_norm`,
+            SmolLM3 with `rope_layers`).
         attention_bias: biases on q/k/v projections; attention_output_bias: on the output projection (default
             `attention_bias`; Qwen2 has q/k/v biases only). mlp_bias: biases on the MLP projections.
         normalize_before: pre-norm layers with a final layer norm (True) or post-norm (False).
@@ -146,6 +160,9 @@ class LexConfig(PreTrainedConfig):
     attention_bias: bool = True
     attention_output_bias: bool | None = None  # attention_bias once defaulted
     mlp_bias: bool = True
+    qk_norm: bool = False
+    rope_layers: list[bool] | None = None
+    hf_model_type: HfModelType = None
     absolute_position_embedding: AbsolutePositionEmbedding = None
     absolute_position_offset: int = non_negative(default=2)
     use_cache: bool = True
@@ -193,6 +210,17 @@ class LexConfig(PreTrainedConfig):
         window = self.attention_window
         if window is None or window < 4 or window % 2:
             raise ValueError(f"LexConfig.attention_window={window!r} must be an even integer >= 4")
+        if self.rope_layers is not None:
+            if len(self.rope_layers) != self.num_hidden_layers:
+                raise ValueError(
+                    f"LexConfig.rope_layers has {len(self.rope_layers)} entries: one per layer (num_hidden_layers="
+                    f"{self.num_hidden_layers}) or None"
+                )
+            if self.position_embedding_type != "rope":
+                raise ValueError(
+                    f"LexConfig.rope_layers with position_embedding_type={self.position_embedding_type!r}: layers "
+                    "without positions are supported with 'rope' only (allowed: None)"
+                )
         if (self.position_embedding_type, self.absolute_position_embedding) in (("none", "sinusoidal"),
                                                                               ("sinusoidal", None)):
             raise ValueError(
@@ -221,6 +249,7 @@ class LexConfig(PreTrainedConfig):
 __all__ = [
     "ABSOLUTE_POSITION_EMBEDDINGS",
     "ATTENTION_MODES",
+    "HF_MODEL_TYPES",
     "HIDDEN_ACTS",
     "MLP_TYPES",
     "NORM_TYPES",
@@ -228,6 +257,7 @@ __all__ = [
     "ROPE_TYPES",
     "SINK_POSITIONS",
     "AttentionMode",
+    "HfModelType",
     "HiddenAct",
     "LexConfig",
     "MlpType",

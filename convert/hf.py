@@ -1,16 +1,21 @@
-"""Llama, Mistral and Qwen2 checkpoints <-> LEX models.
+"""Llama, Mistral, Qwen2, Qwen3, Phi-3 and SmolLM3 checkpoints <-> LEX models.
 
     lex convert-hf SRC OUT [--attention_mode M] [--attention_window W] [--attention_sinks S]
         [--attention_sink_positions cache|true] [--position_embedding_type rope|xpos] [--dtype D] [--force]
     lex convert-to-hf SRC OUT [--force]
 
-SRC is a model folder (safetensors) or a Llama, Mistral or Qwen2 `.gguf` file (or a folder holding exactly one),
-read by transformers' own GGUF loader (dequantized, with its tokenizer; needs the `gguf` package).
+SRC is a model folder (safetensors) or a `.gguf` file of an architecture transformers' GGUF loader reads (Llama,
+Mistral, Qwen2, Qwen3, Phi-3), or a folder holding exactly one, read by that loader (dequantized, with its
+tokenizer; needs the `gguf` package).
 
-A LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM becomes a LexForCausalLM with RoPE positions, RMSNorm,
-a gated MLP, grouped-query attention and the source's biases. By default it computes exactly what the source
-does: full attention, or Mistral's `sliding_window` as LEX `sliding` with w = that window (a query at p sees
-p-w+1 ... p in both). `attention_mode="blockwise"` (BCA) or `"sliding"` makes it read past its training length.
+A LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM or
+SmolLM3ForCausalLM becomes a LexForCausalLM with RoPE positions, RMSNorm, a gated MLP, grouped-query attention and
+the source's biases; Qwen3's per-head q/k norms become `qk_norm`, SmolLM3's layers without rotary `rope_layers`,
+and Phi-3's fused `qkv_proj` and `gate_up_proj` are split into q/k/v and gate/up on the way in and fused again on
+the way out (`hf_model_type` records the family to go back to). By default it computes exactly what the source
+does: full attention, or the source's `sliding_window` on every layer as LEX `sliding` with w = that window (a
+query at p sees p-w+1 ... p in both). `attention_mode="blockwise"` (BCA) or `"sliding"` makes it read past its
+training length.
 
 Position retrofit: `position_embedding_type="xpos"` keeps the source's rotation (its rope_type's frequencies and
 attention factor, linear, llama3 and yarn included) and adds xPos's scale zeta^((m-n)/B), with B =
@@ -33,6 +38,7 @@ import json
 import logging
 import shutil
 from collections.abc import Callable
+from contextlib import ExitStack
 from functools import lru_cache
 from pathlib import Path
 
@@ -47,14 +53,17 @@ from transformers import (
     AutoTokenizer,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     PreTrainedConfig,
     PreTrainedModel,
     Qwen2Config,
+    Qwen3Config,
+    SmolLM3Config,
 )
 from transformers.utils import is_gguf_available
 from transformers.utils.hub import convert_file_size_to_int
 
-from configuration_lex import ATTENTION_MODES, LexConfig
+from configuration_lex import ATTENTION_MODES, HF_MODEL_TYPES, LexConfig
 from lex_base.staging import atomic_directory
 from modeling_lex import LexForCausalLM
 from modeling_lex.positions import POSITION_METHODS
@@ -63,7 +72,12 @@ from .checkpoint import ConversionError, check_tensors, refuse_field
 
 logger = logging.getLogger(__name__)
 
-SOURCE_TYPES = ("llama", "mistral", "qwen2")
+SOURCE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
+# The architectures of SOURCE_TYPES that transformers' GGUF loader reads (integrations/ggml.py).
+GGUF_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+# Phi-3's fused projections: the fused name, then its parts in row order (a part's rows: `fused_parts`).
+FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 # The position_embedding_type a converted checkpoint may take: its own RoPE, or the xPos retrofit (same rotation).
 RETROFITS = ("rope", "xpos")
 # Well-known decoders that are not Llama-family RoPE models, and what about them no LEX model computes.
@@ -108,11 +122,37 @@ def halve_heads(tensor: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def rotary_heads(name: str, config) -> int | None:
-    """How many heads the rows of a q_proj/k_proj tensor hold (None for every other tensor)."""
+    """How many heads the rows of a q_proj/k_proj tensor hold, 1 for Qwen3's q_norm/k_norm (one head's weights);
+    None for every other tensor."""
     if ".self_attn.q_proj." in name:
         return config.num_attention_heads
     if ".self_attn.k_proj." in name:
         return config.num_key_value_heads
+    if ".self_attn.q_norm." in name or ".self_attn.k_norm." in name:
+        return 1
+    return None
+
+
+def fused_parts(name: str, config) -> list[tuple[str, int]] | None:
+    """A fused Phi-3 tensor's parts (HF's unfused name, rows) in row order; None for any other tensor or model."""
+    if config.hf_model_type != "phi3":
+        return None
+    inner, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    rows = {"self_attn.qkv_proj": (inner, kv, kv), "mlp.gate_up_proj": (config.intermediate_size,) * 2}
+    for fused, parts in FUSED.items():
+        if f".{fused}." in name:
+            return [(name.replace(f".{fused}.", f".{part}."), size) for part, size in zip(parts, rows[fused])]
+    return None
+
+
+def fused_name(name: str, config) -> str | None:
+    """The fused Phi-3 tensor an HF-named part belongs to (None: not a part, or not a Phi-3 model)."""
+    if config.hf_model_type != "phi3":
+        return None
+    for fused, parts in FUSED.items():
+        for part in parts:
+            if f".{part}." in name:
+                return name.replace(f".{part}.", f".{fused}.")
     return None
 
 
@@ -133,7 +173,7 @@ def hf_name(lex_name_: str) -> str:
 
 def source_window(hf_config) -> int | None:
     """The source's sliding window (every layer the same), None for full attention."""
-    if hf_config.model_type == "mistral":  # MistralModel applies sliding_window on every layer
+    if hf_config.model_type in ("mistral", "phi3"):  # their models apply sliding_window on every layer
         return hf_config.sliding_window
     layer_types = getattr(hf_config, "layer_types", None)
     if not layer_types or set(layer_types) == {"full_attention"}:
@@ -156,11 +196,33 @@ def source_rope(hf_config) -> dict:
 
 
 def source_biases(hf_config) -> dict:
-    """Which projections carry biases: Llama's attention_bias is on q/k/v/o, Qwen2's on q/k/v only."""
-    if hf_config.model_type == "llama":
+    """Which projections carry biases: Llama's, Qwen3's and SmolLM3's attention_bias is on q/k/v/o, Qwen2's
+    biases are on q/k/v only; Mistral and Phi-3 have none."""
+    model_type = hf_config.model_type
+    if model_type in ("llama", "qwen3", "smollm3"):
         return dict(attention_bias=hf_config.attention_bias, attention_output_bias=hf_config.attention_bias,
-                    mlp_bias=hf_config.mlp_bias)
-    return dict(attention_bias=hf_config.model_type == "qwen2", attention_output_bias=False, mlp_bias=False)
+                    mlp_bias=getattr(hf_config, "mlp_bias", False))
+    return dict(attention_bias=model_type == "qwen2", attention_output_bias=False, mlp_bias=False)
+
+
+def source_family(hf_config) -> dict:
+    """The LexConfig fields of a family's own features: Qwen3's q/k norms, SmolLM3's layers without rotary, and
+    the family to convert back to where the other fields do not imply it. Phi-3's dropouts, which no LexConfig
+    field keeps, are refused unless 0."""
+    model_type = hf_config.model_type
+    if model_type == "phi3":
+        for field in ("resid_pdrop", "embd_pdrop"):
+            if getattr(hf_config, field):
+                raise ConversionError(f"phi3 {field}={getattr(hf_config, field)}: no LexConfig field keeps Phi-3's "
+                                      "own dropouts (allowed: 0.0)")
+    rope_layers = None
+    if model_type == "smollm3":
+        if any(flag not in (0, 1) for flag in hf_config.no_rope_layers):
+            raise ConversionError(f"smollm3 no_rope_layers={list(hf_config.no_rope_layers)}: allowed: 0 or 1 per layer")
+        flags = [bool(flag) for flag in hf_config.no_rope_layers]
+        rope_layers = None if all(flags) else flags  # rotary on every layer: as any LEX model with rope
+    return dict(qk_norm=model_type == "qwen3", rope_layers=rope_layers,
+                hf_model_type=model_type if model_type in HF_MODEL_TYPES else None)
 
 
 def xpos_scale_base(max_position_embeddings: int) -> float:
@@ -172,7 +234,8 @@ def lex_config_from_hf(
     hf_config: PreTrainedConfig, attention_mode: str | None = None, attention_window: int | None = None,
     attention_sinks: int = 0, attention_sink_positions: str = "cache", position_embedding_type: str = "rope",
 ) -> LexConfig:
-    """The LexConfig of a Llama, Mistral or Qwen2 config, or a ConversionError naming what it cannot express.
+    """The LexConfig of a Llama, Mistral, Qwen2, Qwen3, Phi-3 or SmolLM3 config, or a ConversionError naming
+    what it cannot express.
 
     By default the LEX model computes what the source does (full attention, or the source's sliding window);
     `attention_mode` "blockwise" or "sliding" with `attention_window` (default: the source's sliding window, else
@@ -185,7 +248,7 @@ def lex_config_from_hf(
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SOURCE_TYPES:
         why = f" (it uses {FOREIGN_POSITIONS[model_type]})" if model_type in FOREIGN_POSITIONS else ""
-        raise ConversionError(f"model_type {model_type!r} is not a Llama, Mistral or Qwen2 model{why}; "
+        raise ConversionError(f"model_type {model_type!r} is not a convertible model{why}; "
                               f"convertible: {', '.join(SOURCE_TYPES)}")
     if attention_mode is not None and attention_mode not in ATTENTION_MODES:
         raise ConversionError(f"attention_mode={attention_mode!r}: allowed: {', '.join(ATTENTION_MODES)}")
@@ -210,6 +273,7 @@ def lex_config_from_hf(
         attention_window=attention_window or window or length + length % 2, attention_sinks=attention_sinks,
         attention_sink_positions=attention_sink_positions,
         norm_type="rmsnorm", rms_norm_eps=hf_config.rms_norm_eps, mlp_type="gated", **source_biases(hf_config),
+        **source_family(hf_config),
         normalize_before=True, subln=False, deepnorm=False, layernorm_embedding=False, embedding_scale=1.0,
         attention_dropout=hf_config.attention_dropout, initializer_range=hf_config.initializer_range,
         tie_word_embeddings=hf_config.tie_word_embeddings, pad_token_id=hf_config.pad_token_id,
@@ -233,9 +297,51 @@ def lex_config_from_hf(
 # ---------------------------------------------------------------- LEX -> HF: configs
 
 
+def hf_family(config: LexConfig) -> str | None:
+    """The family a LEX config goes back to: its `hf_model_type`, else Qwen3 where it has q/k norms and SmolLM3
+    where some layers take no rotary; None: Llama, Mistral or Qwen2, whichever its biases and window imply."""
+    if config.hf_model_type is not None:
+        return config.hf_model_type
+    if config.qk_norm:
+        return "qwen3"
+    return "smollm3" if config.rope_layers is not None else None
+
+
+def family_config(config: LexConfig, family: str, common: dict) -> PreTrainedConfig:
+    """The Qwen3, Phi-3 or SmolLM3 config computing what `config` does, or a ConversionError naming the field."""
+    if (family == "qwen3") != config.qk_norm:
+        refuse_field(config, "qk_norm", f"hf_model_type={family!r} {'has' if family == 'qwen3' else 'has no'} "
+                                        f"per-head q/k norms (allowed: {family == 'qwen3'})")
+    if config.rope_layers is not None and family != "smollm3":
+        refuse_field(config, "rope_layers", f"hf_model_type={family!r} rotates every layer; only SmolLM3 has layers "
+                                            "without rotary (allowed: None)")
+    all_or_none = False if family == "phi3" else config.attention_bias
+    for field in ("attention_bias", "attention_output_bias"):
+        if getattr(config, field) != all_or_none:
+            refuse_field(config, field, f"hf_model_type={family!r} has biases on q/k/v/o together or none, Phi-3 "
+                                        f"none (allowed: {all_or_none})")
+    if config.mlp_bias and family != "smollm3":
+        refuse_field(config, "mlp_bias", f"hf_model_type={family!r} has no MLP biases (allowed: False)")
+    sliding = config.attention_mode == "sliding"
+    window = config.attention_window if sliding else None
+    if family != "qwen3" and config.head_dim == config.hidden_size // config.num_attention_heads:
+        common = {k: v for k, v in common.items() if k != "head_dim"}  # no field of theirs: their default, unsaved
+    if family == "qwen3":
+        windows = dict(use_sliding_window=True, sliding_window=window, max_window_layers=0) if sliding else {}
+        return Qwen3Config(**common, attention_bias=config.attention_bias, **windows)
+    if family == "phi3":
+        return Phi3Config(**common, sliding_window=window)
+    rope_layers = config.rope_layers or [True] * config.num_hidden_layers
+    windows = dict(use_sliding_window=True, sliding_window=window,
+                   layer_types=["sliding_attention"] * config.num_hidden_layers) if sliding else {}
+    return SmolLM3Config(**common, attention_bias=config.attention_bias, mlp_bias=config.mlp_bias,
+                         no_rope_layers=[int(flag) for flag in rope_layers], **windows)
+
+
 def hf_config_from_lex(config: LexConfig) -> PreTrainedConfig:
     """The Llama (full attention), Mistral (sliding) or Qwen2 (q/k/v biases only) config computing what `config`
-    does, or a ConversionError naming the first field no HF architecture computes."""
+    does, or the Qwen3, Phi-3 or SmolLM3 one of its family (`hf_family`); else a ConversionError naming the first
+    field no HF architecture computes."""
     if not POSITION_METHODS[config.position_embedding_type].llama:
         refuse_field(config, "position_embedding_type",
                      "no HF architecture computes it (Llama, Mistral and Qwen2 rotate with RoPE: 'rope')")
@@ -252,16 +358,6 @@ def hf_config_from_lex(config: LexConfig) -> PreTrainedConfig:
     for field, value in required.items():
         if getattr(config, field) != value:
             refuse_field(config, field, f"no HF Llama-family architecture computes it (allowed: {value!r})")
-    qkv_only = config.attention_bias and not config.attention_output_bias
-    if config.attention_output_bias and not config.attention_bias:
-        refuse_field(config, "attention_output_bias", "no HF architecture has a bias on o_proj without biases on "
-                                                      "q/k/v (Llama: all four, Qwen2: q/k/v only)")
-    sliding = config.attention_mode == "sliding"
-    if sliding and config.attention_output_bias:
-        refuse_field(config, "attention_output_bias", "with attention_mode='sliding' no HF architecture has it "
-                                                      "(Mistral has no biases, Qwen2 none on o_proj)")
-    if config.mlp_bias and (sliding or qkv_only):
-        refuse_field(config, "mlp_bias", "only Llama has MLP biases, with full attention and biases on q/k/v/o or none")
     common = dict(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
         num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
@@ -272,6 +368,22 @@ def hf_config_from_lex(config: LexConfig) -> PreTrainedConfig:
         attention_dropout=config.attention_dropout, initializer_range=config.initializer_range,
         pad_token_id=config.pad_token_id, bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
     )
+    family = hf_family(config)
+    if family is not None:
+        hf_config = family_config(config, family, common)
+        hf_config.architectures = [f"{type(hf_config).__name__.removesuffix('Config')}ForCausalLM"]
+        hf_config.dtype = config.dtype
+        return hf_config
+    qkv_only = config.attention_bias and not config.attention_output_bias
+    if config.attention_output_bias and not config.attention_bias:
+        refuse_field(config, "attention_output_bias", "no HF architecture has a bias on o_proj without biases on "
+                                                      "q/k/v (Llama: all four, Qwen2: q/k/v only)")
+    sliding = config.attention_mode == "sliding"
+    if sliding and config.attention_output_bias:
+        refuse_field(config, "attention_output_bias", "with attention_mode='sliding' no HF architecture has it "
+                                                      "(Mistral has no biases, Qwen2 none on o_proj)")
+    if config.mlp_bias and (sliding or qkv_only):
+        refuse_field(config, "mlp_bias", "only Llama has MLP biases, with full attention and biases on q/k/v/o or none")
     window = config.attention_window if sliding else None
     if qkv_only:
         hf_config = Qwen2Config(**common, use_sliding_window=sliding, sliding_window=window, max_window_layers=0)
@@ -287,12 +399,31 @@ def hf_config_from_lex(config: LexConfig) -> PreTrainedConfig:
 # ---------------------------------------------------------------- tensors
 
 
-def convert_tensor(name: str, tensor: torch.Tensor, config, to_lex: bool) -> tuple[str, torch.Tensor]:
-    """One tensor under its new name, q/k rows permuted to the target's rotation layout."""
-    heads = rotary_heads(name, config)
-    if heads is not None:
-        tensor = interleave_heads(tensor, heads) if to_lex else halve_heads(tensor, heads)
-    return (lex_name(name) if to_lex else hf_name(name)), tensor
+# What to convert: target name -> (the source names it is made of, its shape). One source each, except Phi-3's fused
+# tensors: on the way in each part is one target of the fused source, on the way out the parts make one target.
+Plan = dict[str, tuple[tuple[str, ...], tuple[int, ...]]]
+
+
+def convert_tensor(target: str, sources: list[tuple[str, torch.Tensor]], config: LexConfig,
+                   to_lex: bool) -> torch.Tensor:
+    """One target tensor from its (name, tensor) sources: q/k rows (and Qwen3's q/k norm weights) permuted to the
+    target's rotation layout; a part sliced out of a fused Phi-3 tensor on the way in, the parts fused on the way
+    out (a slice of the source's rows: a view, no copy)."""
+    if to_lex:
+        ((name, tensor),) = sources
+        start = 0
+        for part, rows in fused_parts(name, config) or ():
+            if lex_name(part) == target:
+                name, tensor = part, tensor[start : start + rows]
+                break
+            start += rows
+        heads = rotary_heads(name, config)
+        return tensor if heads is None else interleave_heads(tensor, heads)
+    pieces = []
+    for name, tensor in sources:
+        heads = rotary_heads(name, config)
+        pieces.append(tensor if heads is None else halve_heads(tensor, heads))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def expected_shapes(build: Callable, config) -> dict[str, tuple[int, ...]]:
@@ -305,40 +436,54 @@ def expected_shapes(build: Callable, config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def plan_names(shapes: dict[str, tuple[int, ...]], target_config, to_lex: bool) -> dict:
-    """source name -> (target name, shape) of every tensor to convert."""
-    renamed = {}
+def plan_names(shapes: dict[str, tuple[int, ...]], config: LexConfig, to_lex: bool) -> Plan:
+    """The plan (target name -> (source names, shape)) of every tensor to convert; `config` is the LEX side's."""
+    plan: Plan = {}
+    part_order = [part for parts in FUSED.values() for part in parts]
     for name, shape in shapes.items():
-        if name.endswith(ROTARY_BUFFER) or target_config.tie_word_embeddings and name == "lm_head.weight":
+        if name.endswith(ROTARY_BUFFER) or config.tie_word_embeddings and name == "lm_head.weight":
             continue  # recomputed from the config; a tied head is the embedding (what transformers loads too)
-        renamed[name] = (lex_name(name) if to_lex else hf_name(name), shape)
-    return renamed
+        if to_lex:
+            for part, rows in fused_parts(name, config) or [(name, None)]:
+                plan[lex_name(part)] = ((name,), shape if rows is None else (rows, *shape[1:]))
+            continue
+        target = hf_name(name)
+        fused = fused_name(target, config)
+        if fused is None:
+            plan[target] = ((name,), shape)
+            continue
+        sources, (rows, *rest) = plan.get(fused, ((), (0, *shape[1:])))
+        sources = sorted((*sources, name), key=lambda n: next(i for i, p in enumerate(part_order) if f".{p}." in n))
+        plan[fused] = (tuple(sources), (rows + shape[0], *rest))
+    return plan
 
 
-def check_plan(renamed: dict[str, tuple[str, tuple[int, ...]]], expected: dict[str, tuple[int, ...]],
-               source: str) -> None:
-    """`renamed` maps each source name to (target name, shape); every expected tensor once, nothing else."""
-    source_names = {target: name for name, (target, _) in renamed.items()}
-    check_tensors(dict(renamed.values()), expected, f"{source}: the weights do not match the config",
-                  lambda target: source_names.get(target, target), limit=8)
+def check_plan(plan: Plan, expected: dict[str, tuple[int, ...]], source: str) -> None:
+    """Every expected tensor once, nothing else, every shape right (named as the source names them)."""
+    check_tensors({target: shape for target, (_, shape) in plan.items()}, expected,
+                  f"{source}: the weights do not match the config",
+                  lambda target: "+".join(plan[target][0]) if target in plan else target, limit=8)
 
 
 def lex_from_hf(
     model: PreTrainedModel, attention_mode: str | None = None, attention_window: int | None = None,
     attention_sinks: int = 0, attention_sink_positions: str = "cache", position_embedding_type: str = "rope",
 ) -> LexForCausalLM:
-    """A loaded LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM as a LexForCausalLM, in memory.
+    """A loaded LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM or
+    SmolLM3ForCausalLM as a LexForCausalLM, in memory.
 
-    The LEX model shares the source's tensors (the permuted q/k projections excepted), on its device and in its
-    dtype, so no second copy of the weights is made: train one of the two, not both.
+    The LEX model shares the source's tensors (the permuted q/k projections and q/k norms excepted; Phi-3's v and
+    gate/up are row slices of its fused tensors), on its device and in its dtype, so no second copy of the weights
+    is made: train one of the two, not both.
     """
     config = lex_config_from_hf(model.config, attention_mode, attention_window, attention_sinks,
                                 attention_sink_positions, position_embedding_type)
     config.dtype = model.dtype
     source = model.state_dict()
-    renamed = plan_names({name: tuple(tensor.shape) for name, tensor in source.items()}, config, to_lex=True)
-    check_plan(renamed, expected_shapes(LexForCausalLM, config), type(model).__name__)
-    state = dict(convert_tensor(name, source[name].detach(), config, to_lex=True) for name in renamed)
+    plan = plan_names({name: tuple(tensor.shape) for name, tensor in source.items()}, config, to_lex=True)
+    check_plan(plan, expected_shapes(LexForCausalLM, config), type(model).__name__)
+    state = {target: convert_tensor(target, [(name, source[name].detach()) for name in names], config, to_lex=True)
+             for target, (names, _) in plan.items()}
     with init_empty_weights():
         lex = LexForCausalLM(config)
     lex.load_state_dict(state, strict=False, assign=True)
@@ -374,7 +519,7 @@ def gguf_file(path: str | Path) -> Path | None:
 
 
 def check_gguf(path: Path) -> None:
-    """The gguf package is there and `path` is a GGUF file of a Llama, Mistral or Qwen2 model (its header only)."""
+    """The gguf package is there and `path` is a GGUF file of an architecture of GGUF_TYPES (its header only)."""
     if not is_gguf_available():
         raise ConversionError(f"{path}: reading a .gguf file needs the gguf package (>= 0.10): pip install gguf, or "
                               "pip install 'lex-transformer[gguf]'")
@@ -386,9 +531,9 @@ def check_gguf(path: Path) -> None:
     except (ValueError, KeyError, IndexError, OSError, UnicodeDecodeError) as error:
         why = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ConversionError(f"{path}: not a readable GGUF file ({why})") from None
-    if architecture not in SOURCE_TYPES:
-        raise ConversionError(f"{path}: a GGUF file of architecture {architecture!r}, not a Llama, Mistral or Qwen2 "
-                              f"model; convertible: {', '.join(SOURCE_TYPES)}")
+    if architecture not in GGUF_TYPES:
+        raise ConversionError(f"{path}: a GGUF file of architecture {architecture!r}, which this converter does not "
+                              f"read; convertible: {', '.join(GGUF_TYPES)}")
 
 
 @lru_cache(maxsize=4)
@@ -401,14 +546,14 @@ def read_gguf_config(path: Path, stamp: tuple[int, int]) -> PreTrainedConfig:
 
 
 def gguf_config(path: Path) -> PreTrainedConfig:
-    """The config of a Llama, Mistral or Qwen2 .gguf file, without its weights (read once per file version)."""
+    """The config of a .gguf file (GGUF_TYPES), without its weights (read once per file version)."""
     stat = Path(path).stat()
     return read_gguf_config(Path(path).absolute(), (stat.st_mtime_ns, stat.st_size))
 
 
 def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """A Llama, Mistral or Qwen2 .gguf file as the transformers model it holds, dequantized to `dtype`, as a plain
-    model: the loader's quantization_config (gguf) and quantizer are dropped, so that it saves as any model."""
+    """A .gguf file (GGUF_TYPES) as the transformers model it holds, dequantized to `dtype`, as a plain model:
+    the loader's quantization_config (gguf) and quantizer are dropped, so that it saves as any model."""
     check_gguf(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
@@ -481,18 +626,17 @@ def read_names(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...], torc
     return names
 
 
-def write_weights(names: dict, renamed: dict, config, to_lex: bool, staging: Path, dtype: torch.dtype | None,
-                  max_shard_size: int) -> None:
+def write_weights(names: dict, plan: Plan, config: LexConfig, to_lex: bool, staging: Path,
+                  dtype: torch.dtype | None, max_shard_size: int) -> None:
     """Read, convert and write the tensors one output shard at a time (each shard's tensors read through their own
-    safe_open, so neither the converted tensors nor the source's mapped pages outlive the shard)."""
+    safe_open handles, so neither the converted tensors nor the source's mapped pages outlive the shard)."""
     shards, shard, size = [], [], 0
-    for name, (target, shape) in renamed.items():
-        path, _, source_dtype = names[name]
-        nbytes = torch.Size(shape).numel() * (dtype or source_dtype).itemsize
+    for target, (sources, shape) in plan.items():
+        nbytes = torch.Size(shape).numel() * (dtype or names[sources[0]][2]).itemsize
         if shard and size + nbytes > max_shard_size:
             shards.append(shard)
             shard, size = [], 0
-        shard.append(name)
+        shard.append(target)
         size += nbytes
     shards.append(shard)
     weight_map, total = {}, 0
@@ -500,11 +644,13 @@ def write_weights(names: dict, renamed: dict, config, to_lex: bool, staging: Pat
         file_name = ("model.safetensors" if len(shards) == 1
                      else f"model-{number:05d}-of-{len(shards):05d}.safetensors")
         tensors = {}
-        for path in dict.fromkeys(names[name][0] for name in shard):
-            with safe_open(path, framework="pt") as handle:
-                for name in (n for n in shard if names[n][0] == path):
-                    target, tensor = convert_tensor(name, handle.get_tensor(name), config, to_lex)
-                    tensors[target] = (tensor if dtype is None else tensor.to(dtype)).contiguous()
+        with ExitStack() as files:
+            paths = dict.fromkeys(names[name][0] for target in shard for name in plan[target][0])
+            handles = {path: files.enter_context(safe_open(path, framework="pt")) for path in paths}
+            for target in shard:
+                sources = [(name, handles[names[name][0]].get_tensor(name)) for name in plan[target][0]]
+                tensor = convert_tensor(target, sources, config, to_lex)
+                tensors[target] = (tensor if dtype is None else tensor.to(dtype)).contiguous()
         save_file(tensors, staging / file_name, metadata={"format": "pt"})
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map.update(dict.fromkeys(tensors, file_name))
@@ -520,12 +666,12 @@ def convert_folder(src_dir: Path, out_dir: Path, lex_config: LexConfig, target_c
     and generation_config over. Nothing is written before every check has passed."""
     torch_dtype = dtype_named(dtype)
     names = read_names(weight_files(src_dir))
-    renamed = plan_names({name: shape for name, (_, shape, _) in names.items()}, target_config, to_lex)
-    check_plan(renamed, expected_shapes(build, target_config), str(src_dir))
+    plan = plan_names({name: shape for name, (_, shape, _) in names.items()}, lex_config, to_lex)
+    check_plan(plan, expected_shapes(build, target_config), str(src_dir))
     if torch_dtype is not None:
         target_config.dtype = torch_dtype
     with atomic_directory(out_dir, force) as staging:
-        write_weights(names, renamed, lex_config, to_lex, staging, torch_dtype,
+        write_weights(names, plan, lex_config, to_lex, staging, torch_dtype,
                       convert_file_size_to_int(max_shard_size))
         target_config.save_pretrained(staging)
         for name in CARRIED_FILES:
@@ -547,7 +693,8 @@ def convert_hf(
     dtype: str | None = None, force: bool = False, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     attention_sinks: int = 0, attention_sink_positions: str = "cache", position_embedding_type: str = "rope",
 ) -> LexConfig:
-    """A Llama, Mistral or Qwen2 folder (safetensors) or .gguf file -> a LEX folder; returns its LexConfig.
+    """A Llama, Mistral, Qwen2, Qwen3, Phi-3 or SmolLM3 folder (safetensors) or .gguf file -> a LEX folder;
+    returns its LexConfig.
 
     At most one output shard (`max_shard_size`) of weights is held in memory. An existing OUT is refused unless
     `force`, and replaced only once the new folder is complete.
@@ -567,8 +714,9 @@ def convert_hf(
 
 def convert_to_hf(src_dir: str | Path, out_dir: str | Path, force: bool = False,
                   max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> PreTrainedConfig:
-    """A LEX folder with RoPE positions -> a Llama, Mistral or Qwen2 folder that transformers loads without this
-    package; returns its config. Refused, with nothing written, where no HF architecture computes the model."""
+    """A LEX folder with RoPE positions -> a Llama, Mistral, Qwen2, Qwen3, Phi-3 or SmolLM3 folder that
+    transformers loads without this package; returns its config. Refused, with nothing written, where no HF
+    architecture computes the model."""
     src_dir = Path(src_dir)
     config = load_config(src_dir)
     if not isinstance(config, LexConfig):

@@ -2,13 +2,14 @@
 
 Reads top to bottom: norm -> feed-forward -> attention -> layer -> model -> causal-LM head. The layer math is
 TorchScale's `DecoderLayer` (pre/post norm, subln, deepnorm), so TorchScale checkpoints convert without loss,
-with the modern backbone of the Llama family beside it (grouped-query attention, RMSNorm, a gated MLP), so
-Llama, Mistral and Qwen2 checkpoints do too. Beside it: position methods (`positions.py`, formulas in `xpos.py`),
-who sees whom (`visibility.py`), the stream's bookkeeping (`stream.py`), the bounded caches (`cache.py`), masks
-and the attention plan (`masking.py`), the attention kernels (`kernels.py`) and the generate() glue
-(`generation.py`).
+with the modern backbone of the Llama family beside it (grouped-query attention, RMSNorm, a gated MLP, per-head
+q/k norms, layers without rotary), so Llama, Mistral, Qwen2, Qwen3, Phi-3 and SmolLM3 checkpoints do too. Beside
+it: position methods (`positions.py`, formulas in `xpos.py`), who sees whom (`visibility.py`), the stream's
+bookkeeping (`stream.py`), the bounded caches (`cache.py`), masks and the attention plan (`masking.py`), the
+attention kernels (`kernels.py`) and the generate() glue (`generation.py`).
 """
 
+import dataclasses
 import math
 
 import torch
@@ -122,6 +123,9 @@ class LexAttention(nn.Module):
         self.k_proj = nn.Linear(size, kv, bias=config.attention_bias)
         self.v_proj = nn.Linear(size, kv, bias=config.attention_bias)
         self.o_proj = nn.Linear(inner, size, bias=config.attention_output_bias)
+        # Qwen3's per-head norms of queries and keys, before positions (RMSNorm over head_dim is per head).
+        self.q_norm = make_norm(config, self.head_dim) if config.qk_norm else None
+        self.k_norm = make_norm(config, self.head_dim) if config.qk_norm else None
         self.inner_attn_ln = make_norm(config, inner) if config.subln else None
         self.position_method = position_method(config)
         self.position_method.add_parameters(self)
@@ -138,8 +142,11 @@ class LexAttention(nn.Module):
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, length, _ = hidden_states.shape
-        query = self.q_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
-        key = self.k_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
+        query = self.q_proj(hidden_states).view(batch, length, -1, self.head_dim)
+        key = self.k_proj(hidden_states).view(batch, length, -1, self.head_dim)
+        if self.q_norm is not None:
+            query, key = self.q_norm(query), self.k_norm(key)
+        query, key = query.transpose(1, 2), key.transpose(1, 2)
         value = self.v_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
         query, key = plan.encode_tokens(query), plan.encode_tokens(key)
         if cache is not None:
@@ -153,6 +160,16 @@ class LexAttention(nn.Module):
         if self.inner_attn_ln is not None:
             output = self.inner_attn_ln(output)
         return self.o_proj(output), weights
+
+
+def without_positions(plan: AttentionPlan) -> AttentionPlan:
+    """The plan of a layer that takes no positions (`rope_layers`): the same tiles, windows and sinks, without the
+    rotations. RoPE's position terms are rotations only: of the new tokens (`token_factors`) and of sinks seen in
+    their cache frame (a second query copy, or the sink keys rotated back by the kernel or by the cache in its copy
+    of its sink slots), so dropping those leaves plain attention under the same masks."""
+    tiles = [dataclasses.replace(tile, sink_query_factors=None, sink_key_rotation=None) for tile in plan.tiles]
+    return dataclasses.replace(plan, tiles=tiles, token_factors=None,
+                               cache_kwargs={**plan.cache_kwargs, "sink_rotation": None})
 
 
 class LexDecoderLayer(GradientCheckpointingLayer):
@@ -280,8 +297,11 @@ class LexModel(LexPreTrainedModel):
         plan = build_plan(self.config, self.position_method, record, self.embed_tokens.weight.dtype,
                           attention_maps=bool(maps))
         hidden_states = self.embed(input_ids, inputs_embeds, record.context.query_positions)
-        for layer in self.layers:
-            hidden_states = layer(hidden_states, plan=plan, cache=cache, **kwargs)
+        rope_layers = self.config.rope_layers
+        positionless = without_positions(plan) if rope_layers is not None and not all(rope_layers) else None
+        for index, layer in enumerate(self.layers):
+            layer_plan = plan if rope_layers is None or rope_layers[index] else positionless
+            hidden_states = layer(hidden_states, plan=layer_plan, cache=cache, **kwargs)
         if isinstance(cache, LEX_CACHES):  # every layer ran: the cache keeps what the record says
             cache.commit(record)
         if self.norm is not None:

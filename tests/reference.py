@@ -253,7 +253,7 @@ def llama_window_attention(model, mode: str, window: int, sinks: int, rule: str)
         scores = query @ key.transpose(-1, -2) * scaling
         in_window = (k_index <= q_index) & (k_index >= window_start(q_index))
         as_sink = (k_index < sinks) & (k_index <= q_index) & ~in_window
-        if rule == "cache":
+        if rule == "cache" and getattr(module, "use_rope", True):  # SmolLM3's layers without rotary: nothing to move
             query_raw = rotate(query, -index[None])
             sink_keys = rotate(key[:, :, :sinks], -index[None, :sinks])
             offset = index - window_start(index)
@@ -268,8 +268,8 @@ def llama_window_attention(model, mode: str, window: int, sinks: int, rule: str)
 
 
 def use_window_attention(model, mode: str, window: int, sinks: int, rule: str = "cache"):
-    """Give transformers' Llama (or Qwen2/Mistral: the same rotation) `llama_window_attention` as its attention
-    implementation; returns the model."""
+    """Give transformers' Llama (or Qwen2, Qwen3, Mistral, Phi-3, SmolLM3: the same rotation)
+    `llama_window_attention` as its attention implementation; returns the model."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     name = f"lex-reference-{mode}-{window}-{sinks}-{rule}-{id(model)}"

@@ -137,7 +137,7 @@ CASES = {
                                  "argument --format: invalid choice: 'onnx' (choose from 'auto', 'decoder', 'fairseq')"),
     # lex convert-hf / convert-to-hf
     "convert-hf-no-such-folder": (["convert-hf", "{missing}", "{out}"], "{missing}: not a model folder"),
-    "convert-hf-not-llama": (["convert-hf", "{model}", "{out}"], "model_type 'lex' is not a Llama, Mistral or Qwen2"),
+    "convert-hf-not-llama": (["convert-hf", "{model}", "{out}"], "model_type 'lex' is not a convertible model"),
     "convert-hf-odd-window": (["convert-hf", "{model}", "{out}", "--attention_window", "x"],
                               "argument --attention_window: 'x' is not an integer"),
     "convert-hf-bad-mode": (["convert-hf", "{model}", "{out}", "--attention_mode", "dilated"],

@@ -291,7 +291,7 @@ def missing_tensor(folder):
 
 
 @pytest.mark.parametrize("build, message", [
-    (gpt2, "model_type 'gpt2' is not a Llama, Mistral or Qwen2 model (it uses learned absolute position"),
+    (gpt2, "model_type 'gpt2' is not a convertible model (it uses learned absolute position"),
     (lambda f: save_source(f, source_model("llama_yarn", rope_parameters={
         "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})),
      "rope_type']='dynamic' is not supported: its frequencies depend"),

@@ -1,10 +1,14 @@
 """The transformers versions LEX declares are the ones it tests: one range in setup.cfg, in the generate() glue
 (modeling_lex/generation.py) and in README's test command, a warning outside it, and the cache accepted under
-both of its names on whichever version is installed."""
+both of its names on whichever version is installed. The torch floor is the one transformers keeps PyTorch on
+above, and importing the model below it fails in one line."""
 
 import configparser
 import inspect
+import os
 import re
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -15,6 +19,7 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 from transformers import LlamaForCausalLM
 
+from configuration_lex import OLDEST_TORCH
 from modeling_lex import LexCache
 from modeling_lex.generation import CACHE_NAME, TESTED_TRANSFORMERS, warn_if_untested
 from tests.helpers import perturbed_model, prompt, tiny_config
@@ -74,3 +79,26 @@ def test_the_model_takes_the_cache_under_either_name(name):
     assert cache.get_seq_length() == 9 and all(layer.keys.shape[2] == 9 for layer in cache.layers)
     assert getattr(first, CACHE_NAME) is cache
     torch.testing.assert_close(torch.cat([first.logits, second.logits], dim=1), whole, atol=1e-5, rtol=1e-5)
+
+
+def test_the_torch_floor_is_the_one_the_import_checks():
+    setup = configparser.ConfigParser()
+    setup.read(ROOT / "setup.cfg")
+    torch_requirement = next(Requirement(line) for line in setup["options"]["install_requires"].split("\n")
+                             if line.strip() and Requirement(line).name == "torch")
+    assert str(torch_requirement.specifier) == f">={OLDEST_TORCH}"
+    assert Version(torch.__version__).release >= Version(OLDEST_TORCH).release
+
+
+@pytest.mark.parametrize("module", ["configuration_lex", "modeling_lex"])
+def test_a_torch_below_the_floor_fails_the_import_in_one_line_naming_the_range(module):
+    """A torch older than the floor (its version patched in a fresh process) stops the import before transformers
+    is reached: one ImportError line naming the range, after a traceback of the import statement only."""
+    script = f"import torch\ntorch.__version__ = '2.5.1+cpu'\nimport {module}\n"
+    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 1
+    assert lines[-1] == (f"ImportError: lex-transformer needs torch>={OLDEST_TORCH} (transformers 5.23-5.24 turn "
+                         f"PyTorch off below it); torch 2.5.1+cpu is installed: pip install 'torch>={OLDEST_TORCH}'")
+    assert len(lines) <= 8 and not any("site-packages" in line for line in lines), run.stderr
