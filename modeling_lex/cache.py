@@ -169,22 +169,15 @@ class LexCacheLayer(DynamicLayer):
             sinks = self._sinks[which]
             if joined is not None:  # autograd: the concatenated span
                 buffer, begin, end = joined, 0, joined.shape[2]
-                read = joined if sinks is None else torch.cat([sinks, joined], dim=2)
             else:
                 buffer, begin, end = self._window[which]
                 end += record.new_tokens
-                read = self._raw(which, buffer, begin, end)
-            if record.sink_source is not None:
+            if record.sink_source is not None:  # (not while decoding once the window has moved past the sinks)
+                read = buffer[:, :, begin:end] if sinks is None else torch.cat([sinks, buffer[:, :, begin:end]], dim=2)
                 sinks = _gather_columns(read, record.sink_source)
             first = begin if record.keep is None else end - record.keep
             self._hold(which, buffer, first, end, sinks, rewrite=record.sink_source is not None or first != begin)
         self._rotated = False
-
-    def _raw(self, which: int, buffer: torch.Tensor, begin: int, end: int) -> torch.Tensor:
-        """buffer[begin:end] with the raw sink slots in front (from the buffer, or kept apart while it is rotated)."""
-        if which == 0 and self._rotated:
-            return torch.cat([self._sinks[0], buffer[:, :, begin:end]], dim=2)
-        return buffer[:, :, begin - self._slots(which) : end]
 
     def _hold(self, which: int, buffer: torch.Tensor, first: int, end: int, sinks: torch.Tensor | None,
               rewrite: bool) -> None:

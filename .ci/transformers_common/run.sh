@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Runs transformers' shared CausalLM model tests against LEX in one configuration.
-#   .ci/transformers_common/run.sh [default|small_window|llama] [extra pytest args...]
+#   .ci/transformers_common/run.sh [default|small_window|llama|qwen3] [extra pytest args...]
 # Builds the out-of-tree checkout with /work/shared/transformers-common-tests/setup.sh if needed (into $TCT,
 # default /tmp/tct), copies test_modeling_lex.py to $T/tests/models/lex/ and runs pytest from $T.
 # Python: $PYTHON, else the repo's .venv, else python on PATH. No xdist: one process.
 set -euo pipefail
 CONFIG=${1:-default}
 shift || true
-case "$CONFIG" in default|small_window|llama) ;; *) echo "unknown config '$CONFIG' (default|small_window|llama)" >&2; exit 2;; esac
+case "$CONFIG" in default|small_window|llama|qwen3) ;; *) echo "unknown config '$CONFIG' (default|small_window|llama|qwen3)" >&2; exit 2;; esac
 
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)

@@ -6,6 +6,8 @@ The environment variable LEX_COMMON_CONFIG picks the configuration under test:
   default       the tester's defaults (seq_length 7; attention_window = max_position_embeddings = 512)
   small_window  attention_window=4, seq_length=11: the window is shorter than the sequence (bounded cache)
   llama         a Llama-shaped LEX: 4 heads / 2 KV heads (GQA), RMSNorm, gated SiLU MLP, RoPE with llama3 scaling
+  qwen3         a converted Qwen3's shape: GQA, RMSNorm, gated SiLU MLP, RoPE (theta 10^6), per-head q/k norms
+                (qk_norm), no biases, read through a sliding window of 4 with 2 sinks at cache positions
 """
 
 import os
@@ -45,6 +47,23 @@ CONFIG_OVERRIDES = {
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": _MAX_POSITION_EMBEDDINGS // 4,
         },
+    },
+    "qwen3": {
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "norm_type": "rmsnorm",
+        "mlp_type": "gated",
+        "hidden_act": "silu",
+        "position_embedding_type": "rope",
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        "qk_norm": True,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_mode": "sliding",
+        "attention_window": 4,
+        "attention_sinks": 2,
+        "attention_sink_positions": "cache",
+        "seq_length": 11,
     },
 }
 if LEX_COMMON_CONFIG not in CONFIG_OVERRIDES:
