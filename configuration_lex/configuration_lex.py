@@ -85,6 +85,15 @@ class LexConfig(PreTrainedConfig):
             distance S - j + the query's offset in its window), never further than S + w, so a model pretrained
             with full attention never sees a distance beyond S + w (what a converted Llama, Mistral or Qwen2
             checkpoint gets).
+        attention_memory_blocks: k, the blocks of keys the window has evicted that every query chunk and every
+            decoded token also reads (a block memory past the window, in blockwise and sliding modes, through a
+            LexCache): the keys and values that leave the window are kept in blocks of
+            `attention_memory_block_size` tokens; each forward ranks a layer's blocks by its last query's best
+            score against each block's representative keys (without positions) and reads the top k, placed just
+            before its window (and after the sinks, so a key is never farther than S + k * block + w). 0 (default):
+            no memory, exactly the model without it.
+        attention_memory_block_size: tokens per memory block (default 64, measured on SmolLM2-135M by
+            benchmarks/memory_retrieval_probe.py).
         xpos_scale_base: B in zeta^(n/B). xpos_gamma: gamma in zeta_i = (2i + gamma d) / ((1 + gamma) d).
         rope_parameters: the rotation frequencies of "xpos", "rope" and "decay" (transformers v5's field):
             `rope_theta` (default 10000; a `rope_theta=` keyword, as older configs saved it, lands here) and
@@ -138,6 +147,8 @@ class LexConfig(PreTrainedConfig):
     attention_window: int | None = None  # even and >= 4 once defaulted: validate_architecture
     attention_sinks: int = non_negative(default=0)
     attention_sink_positions: SinkPositions = "true"
+    attention_memory_blocks: int = non_negative(default=0)
+    attention_memory_block_size: int = positive(default=64)
     xpos_scale_base: float | int = positive(default=512.0)
     xpos_gamma: float | int = non_negative(default=0.4)
     rope_parameters: RopeParameters | dict | None = None  # {"rope_type": "default", "rope_theta": 10000.0} once set
@@ -210,6 +221,19 @@ class LexConfig(PreTrainedConfig):
         window = self.attention_window
         if window is None or window < 4 or window % 2:
             raise ValueError(f"LexConfig.attention_window={window!r} must be an even integer >= 4")
+        if self.attention_memory_blocks:
+            if self.attention_mode == "full":
+                raise ValueError(
+                    f"LexConfig.attention_memory_blocks={self.attention_memory_blocks} with attention_mode='full': "
+                    "full attention sees every key, a memory of evicted ones has nothing to add (allowed: "
+                    "'blockwise', 'sliding', or attention_memory_blocks=0)"
+                )
+            if self.attention_sinks and self.attention_sink_positions != "cache":
+                raise ValueError(
+                    f"LexConfig.attention_memory_blocks={self.attention_memory_blocks} with attention_sinks="
+                    f"{self.attention_sinks} at attention_sink_positions={self.attention_sink_positions!r}: the memory "
+                    "sits between the sinks and the window in the cache's frame (allowed: 'cache')"
+                )
         if self.rope_layers is not None:
             if len(self.rope_layers) != self.num_hidden_layers:
                 raise ValueError(

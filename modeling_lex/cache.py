@@ -32,9 +32,10 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer, StaticCache
 
 from .generation import init_cache_layers
-from .record import ForwardRecord
+from .memory import BlockMemory
+from .record import ForwardRecord, MemoryTerms
 from .stream import Stream, _mark_static
-from .visibility import sink_count
+from .visibility import memory_tokens, sink_count
 from .xpos import apply_rotary
 
 
@@ -69,13 +70,19 @@ class LexCacheLayer(DynamicLayer):
     sees its sinks in the cache's frame (RoPE) reads them rotated by `sink_rotation`, which `update` writes over
     the buffer's copy of the sink slots (kernels.py never writes a tensor the cache returned); the slots' raw
     contents are kept apart (`_sinks`) and written back at `commit`, and until then `keys` reads them from there.
-    Under autograd the buffers are never written in place."""
+    Under autograd the buffers are never written in place.
 
-    def __init__(self) -> None:
+    With a block memory (memory.py), the keys and values `commit` drops go there, and `update` returns the blocks
+    the forward's last query (`cache_kwargs["memory_query"]`) retrieves after the new keys, as the record and the
+    plan say (`cache_kwargs["memory"]`)."""
+
+    def __init__(self, memory: BlockMemory | None = None) -> None:
         self._window: list[tuple[torch.Tensor, int, int] | None] = [None, None]  # keys, values: (buffer, begin, end)
         self._sinks: list[torch.Tensor | None] = [None, None]  # raw keys, values of the sink slots (B, H, S, d)
         self._rotated = False  # the buffer's copy of the sink keys is rotated (between update and commit)
         self._joined: list[torch.Tensor | None] = [None, None]  # under autograd: the window part and the new keys
+        self.memory = memory
+        self._memory_terms: MemoryTerms | None = None  # the forward's, between update and commit
         super().__init__()
 
     @property
@@ -131,39 +138,55 @@ class LexCacheLayer(DynamicLayer):
         """The sink slots, the window part and the new keys (and values), as attention reads them."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        return self._span(0, key_states, cache_kwargs.get("sink_rotation")), self._span(1, value_states, None)
+        terms = self._memory_terms = cache_kwargs.get("memory")
+        recalled = [None, None]
+        if terms is not None and terms.read is not None:
+            recalled = list(self.memory.read(cache_kwargs["memory_query"], terms.read))
+            if terms.place is not None:
+                recalled[0] = apply_rotary(recalled[0], terms.place)
+        return (self._span(0, key_states, cache_kwargs.get("sink_rotation"), recalled[0]),
+                self._span(1, value_states, None, recalled[1]))
 
-    def _span(self, which: int, new: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
-        """The sink slots (rotated by `rotation`), the window part and `new` as one span: `new` written after the
-        window part (where there is no room, the sink slots and the window part move, to the front of the buffer
-        or of a new one with room to grow; what they hold stays the same); concatenated under autograd."""
+    def _span(self, which: int, new: torch.Tensor, rotation: torch.Tensor | None,
+              recalled: torch.Tensor | None) -> torch.Tensor:
+        """The sink slots (rotated by `rotation`), the window part, `new` and the blocks `recalled` from the block
+        memory as one span: `new` and `recalled` written after the window part (where there is no room, the sink
+        slots and the window part move, to the front of the buffer or of a new one with room to grow; what they
+        hold stays the same); concatenated under autograd."""
         sinks, count = self._sinks[which], self._slots(which)
         front = sinks if rotation is None else apply_rotary(sinks, rotation)
         buffer, begin, end = self._window[which] or (new[:, :, :0], 0, 0)
+        extra = 0 if recalled is None else recalled.shape[2]
         if new.requires_grad or buffer.requires_grad:
             self._joined[which] = torch.cat([buffer[:, :, begin:end], new], dim=2)
-            return self._joined[which] if sinks is None else torch.cat([front, self._joined[which]], dim=2)
+            parts = [front] if sinks is not None else []
+            parts += [self._joined[which]] + ([recalled] if extra else [])
+            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
         self._joined[which] = None  # (what a forward under autograd that raised may have left)
         stop = end + new.shape[2]
         rewrite = rotation is not None or (which == 0 and self._rotated)
-        if stop > buffer.shape[2]:  # no room after the window part
+        if stop + extra > buffer.shape[2]:  # no room after the window part
             length = count + stop - begin
-            room = buffer if length <= buffer.shape[2] else _with_room(new, length)
+            room = buffer if length + extra <= buffer.shape[2] else _with_room(new, length + extra)
             _move(buffer, begin, end, room, count)
             buffer, begin, end, stop, rewrite = room, count, count + end - begin, length, True
             self._window[which] = (buffer, begin, end)
         buffer[:, :, end:stop] = new
+        if extra:
+            buffer[:, :, stop : stop + extra] = recalled
         if count and rewrite:
             buffer[:, :, begin - count : begin] = front
         if which == 0:
             self._rotated = rotation is not None
-        return buffer[:, :, begin - count : stop]
+        return buffer[:, :, begin - count : stop + extra]
 
     def commit(self, record: ForwardRecord) -> None:
         """Hold what the record says: the sink slots' new contents (taken from the raw keys the forward read, sink
         slots first), then the last `keep` keys of the window part with the forward's new keys."""
         if not self.is_initialized:
             return
+        terms, self._memory_terms = self._memory_terms, None
+        evicted = []
         for which in (0, 1):
             joined, self._joined[which] = self._joined[which], None
             sinks = self._sinks[which]
@@ -172,12 +195,18 @@ class LexCacheLayer(DynamicLayer):
             else:
                 buffer, begin, end = self._window[which]
                 end += record.new_tokens
+            if self.memory is not None:  # the keys that leave the window part, without positions
+                dropped = buffer[:, :, begin : begin + record.dropped]  # (copied: `_hold` may write over them)
+                unrotate = terms.unrotate if which == 0 and terms is not None else None
+                evicted.append(dropped.clone() if unrotate is None else apply_rotary(dropped, unrotate))
             if record.sink_source is not None:  # (not while decoding once the window has moved past the sinks)
                 read = buffer[:, :, begin:end] if sinks is None else torch.cat([sinks, buffer[:, :, begin:end]], dim=2)
                 sinks = _gather_columns(read, record.sink_source)
             first = begin if record.keep is None else end - record.keep
             self._hold(which, buffer, first, end, sinks, rewrite=record.sink_source is not None or first != begin)
         self._rotated = False
+        if evicted:
+            self.memory.append(*evicted)
 
     def _hold(self, which: int, buffer: torch.Tensor, first: int, end: int, sinks: torch.Tensor | None,
               rewrite: bool) -> None:
@@ -210,6 +239,21 @@ class LexCacheLayer(DynamicLayer):
         if count and self.is_initialized:
             self._window = [(buffer, begin, end - count) for buffer, begin, end in self._window]
 
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self.memory is not None:
+            self.memory.apply_to_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.memory is not None:
+            self.memory.apply_to_rows(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.memory is not None:
+            self.memory.apply_to_rows(lambda t: t[indices])
+
 
 class LexCache(DynamicCache):
     """A transformers Cache for LEX models; `generate()` creates one by default.
@@ -219,10 +263,32 @@ class LexCache(DynamicCache):
     DynamicCache (what tools test for) with LEX's own layers.
     """
 
-    def __init__(self, config) -> None:
-        init_cache_layers(self, [LexCacheLayer() for _ in range(config.num_hidden_layers)])
-        self.config = config
+    def __init__(self, config, memory_directory: str | None = None) -> None:
+        """`memory_directory`: with a block memory (`attention_memory_blocks`), keep it in memory-mapped files
+        there instead of RAM (memory.py)."""
+        self.config, self.memory_directory = config, memory_directory
+        init_cache_layers(self, [LexCacheLayer(self._memory()) for _ in range(config.num_hidden_layers)])
         self.stream = Stream(config)
+
+    def _memory(self) -> BlockMemory | None:
+        """A layer's block memory, or None without one."""
+        if not memory_tokens(self.config):
+            return None
+        config = self.config
+        return BlockMemory(config.attention_memory_block_size, config.attention_memory_blocks, self.memory_directory)
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes the block memory holds, over all layers (0 without one)."""
+        return sum(layer.memory.nbytes() for layer in self.layers if layer.memory is not None)
+
+    def _refuse_with_memory(self, what: str) -> None:
+        if memory_tokens(self.config):
+            raise ValueError(
+                f"LexCache.{what} with attention_memory_blocks={self.config.attention_memory_blocks}: the block memory "
+                "keeps evicted keys for good and reads per forward, so a rollback (assisted or prompt-lookup "
+                "decoding) cannot be exact; decode without a draft, or set attention_memory_blocks=0"
+            )
 
     @property
     def seen(self) -> int:
@@ -261,6 +327,7 @@ class LexCache(DynamicCache):
 
     def activate_past_recording(self) -> None:
         """Hold what later forwards read until `crop` (generate() calls this for assisted decoding)."""
+        self._refuse_with_memory("activate_past_recording")
         self.stream.record_past = True
         self.stream.floor = self.stream.seen
 
@@ -279,6 +346,7 @@ class LexCache(DynamicCache):
             raise ValueError(
                 f"LexCache.crop({tokens_to_remove}): pass minus the number of tokens to remove, as transformers does"
             )
+        self._refuse_with_memory("crop")
         remove = -tokens_to_remove
         if remove:
             self.stream.roll_back(remove)
@@ -304,6 +372,8 @@ class LexCache(DynamicCache):
 
     def reset(self) -> None:
         super().reset()
+        for layer in self.layers:
+            layer.memory = self._memory()
         record = self.stream.record_past
         self.stream = Stream(self.config)
         self.stream.record_past = record
@@ -376,6 +446,12 @@ class LexStaticCache(StaticCache):
     """
 
     def __init__(self, config, max_cache_len: int | None = None) -> None:
+        if memory_tokens(config):
+            raise ValueError(
+                f"LexStaticCache with attention_memory_blocks={config.attention_memory_blocks}: a block memory grows "
+                "with the document, which fixed shapes cannot hold; use LexCache (generate()'s default cache, "
+                "cache_implementation=None), or attention_memory_blocks=0"
+            )
         sink_slots = sink_count(config)
         if config.attention_mode == "full":
             if max_cache_len is None:

@@ -55,7 +55,7 @@ def _chunks(x: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
 def _tile_inputs(tile: Tile, sink_slots: int, query, key, value):
     if tile.query_slots is not None:
         return _chunks(query, tile.query_slots), _chunks(key, tile.key_columns), _chunks(value, tile.key_columns)
-    keys = slice(sink_slots + tile.key_slice.start, sink_slots + tile.key_slice.stop)
+    keys = slice(sink_slots + tile.key_slice.start, sink_slots + tile.key_slice.stop + tile.n_memory)
     if tile.sinks_in_slots:  # the sink columns are the cache's copy of its sink slots, before its window part
         keys = slice(0, keys.stop)
     q, k, v = query[:, :, tile.query_slice], key[:, :, keys], value[:, :, keys]
@@ -71,26 +71,30 @@ def _attention_map(tile: Tile, sink_slots: int, weights: torch.Tensor, n_keys: i
     goes to the key it was taken from."""
     batch, heads, length, _ = weights.shape
     n_sinks = 0 if tile.sink_columns is None else tile.sink_columns.shape[1]
-    if n_sinks == 0 and sink_slots == 0 and tile.key_slice == slice(0, n_keys):
+    if n_sinks == 0 and sink_slots == 0 and tile.n_memory == 0 and tile.key_slice == slice(0, n_keys):
         return weights  # the map itself, as the backend computed it (gradients flow through it)
-    full = weights.new_zeros(batch, heads, length, n_keys)
-    full[..., sink_slots + tile.key_slice.start : sink_slots + tile.key_slice.stop] = weights[..., n_sinks:]
+    full = weights.new_zeros(batch, heads, length, n_keys)  # (the block memory's columns are no key of the cache's)
+    window = weights[..., n_sinks : weights.shape[-1] - tile.n_memory]
+    full[..., sink_slots + tile.key_slice.start : sink_slots + tile.key_slice.stop] = window
     if n_sinks:
         index = tile.sink_columns[:, None, None, :].expand(-1, heads, length, -1)
         full.scatter_add_(3, index, weights[..., :n_sinks])
     return full
 
 
-def _meet_sinks_in_their_frame(q: torch.Tensor, q_sink: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: int):
+def _meet_sinks_in_their_frame(q: torch.Tensor, q_sink: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: int,
+                               memory: int = 0):
     """Each query twice along the head dimension, as encoded and in the sink frame; the window keys meet the first
-    copy and the first `sinks` key columns the second, so one attention call scores the sinks at their places
-    in the cache while every other key keeps its own. The values are padded with zeros to the same width (SDPA's
+    copy and the first `sinks` and last `memory` key columns (the block memory's) the second, so one attention call
+    scores the sinks and the memory at their places in the cache while every other key keeps its own. The values are padded with zeros to the same width (SDPA's
     fused CPU kernel needs equal widths; with a narrower value it falls back to the unfused math path, twice as
     slow measured on a 30-layer checkpoint): the caller keeps the first half of the output."""
     width = k.shape[-1]
     keys = k.new_zeros(*k.shape[:-1], 2 * width)
-    keys[..., sinks:, :width] = k[..., sinks:, :]
+    window = slice(sinks, k.shape[-2] - memory)
+    keys[..., window, :width] = k[..., window, :]
     keys[..., :sinks, width:] = k[..., :sinks, :]
+    keys[..., window.stop :, width:] = k[..., window.stop :, :]
     return torch.cat([q, q_sink], dim=-1), keys, torch.cat([v, torch.zeros_like(v)], dim=-1)
 
 
@@ -120,7 +124,8 @@ def run_attention(
         if tile.factors is not None:
             q, k = apply_rotary(given, tile.factors[0]), apply_rotary(k, tile.factors[1])
         if tile.sink_query_factors is not None:
-            q, k, v = _meet_sinks_in_their_frame(q, apply_rotary(given, tile.sink_query_factors), k, v, tile.n_sinks)
+            q, k, v = _meet_sinks_in_their_frame(q, apply_rotary(given, tile.sink_query_factors), k, v, tile.n_sinks,
+                                                 tile.n_memory)
         if tile.sink_key_rotation is not None and not tile.sinks_in_slots:  # the cache rotated its slots' copy
             k = torch.cat([apply_rotary(k[:, :, : tile.n_sinks], tile.sink_key_rotation), k[:, :, tile.n_sinks :]],
                           dim=2)

@@ -27,9 +27,10 @@ from dataclasses import dataclass
 import torch
 
 from .positions import PositionMethod
-from .record import AttentionContext, ForwardRecord
+from .record import AttentionContext, ForwardRecord, MemoryRead, MemoryTerms
 from .visibility import (
-    chunk_map, locate_in_window, seen_as_sink, sink_count, sink_frame, sink_indices, window_visible,
+    chunk_map, locate_in_window, memory_frame, memory_tokens, seen_as_sink, sink_count, sink_frame, sink_indices,
+    window_visible,
 )
 from .xpos import apply_rotary, inverse_rotation
 
@@ -64,6 +65,10 @@ class Tile:
     # the cache returned as one span, without a mask.
     sink_key_rotation: torch.Tensor | None = None
     sinks_in_slots: bool = False
+    # The block memory's key columns (memory.py), after the window part's, as the cache returns them: met by the
+    # second copy of each query, where there is one; per-token RoPE keys rotated into place by the cache.
+    n_memory: int = 0
+    memory_place: torch.Tensor | None = None  # (B, 1, k * b, d), for the cache (AttentionPlan.cache_kwargs)
 
 
 @dataclass
@@ -170,7 +175,7 @@ def _sink_frame_terms(position_method: PositionMethod, terms: tuple, frame: tupl
 
 def _dense_tile(
     config, position_method: PositionMethod, ctx: AttentionContext, queries: slice, keys: slice, dtype: torch.dtype,
-    plain: bool,
+    plain: bool, memory: MemoryRead | None = None,
 ) -> Tile:
     anchor = ctx.query_positions[:, queries.start : queries.start + 1]
     k_index = ctx.key_index[keys].expand(anchor.shape[0], -1)
@@ -198,6 +203,12 @@ def _dense_tile(
                               .is_compiling() and bool((sink_columns == torch.arange(n_sinks)).all()))
         elif sink_query_factors is not None:
             sink_query_factors = sink_query_factors.unsqueeze(1)
+    memory_place, n_memory = None, 0
+    if memory is not None:
+        origin = sink_positions[:, :1] - frame[1][0] if frame is not None else memory_tokens(config)
+        factors, bias, distance, sink_query_factors, memory_place = _memory_terms(
+            position_method, (factors, bias, distance, sink_query_factors), config, ctx, queries, origin)
+        n_memory = memory.token_valid.shape[1]
     if factors is not None:
         factors = tuple(f.unsqueeze(1) for f in factors)  # broadcast over heads
     allowed = None
@@ -205,12 +216,51 @@ def _dense_tile(
         allowed_4d = None if ctx.allowed is None else ctx.allowed[:, 0, queries, keys]
         allowed = allowed_keys(config, ctx.query_index[queries][None, :, None], k_index[:, None, :],
                                k_valid[:, None, :],
-                        ctx.document_start[:, queries, None], n_sinks, allowed_4d).unsqueeze(1)
+                        ctx.document_start[:, queries, None], n_sinks, allowed_4d)
+        if memory is not None:  # the slots that hold a block, for the queries of the document it was read for
+            reads = ctx.document_start[:, queries, None] == memory.document[:, None, None]
+            allowed = torch.cat([allowed, reads & memory.token_valid[:, None, :]], dim=-1)
+        allowed = allowed.unsqueeze(1)
         if _sees_every_key(allowed):
             allowed = None
     return Tile(factors, additive_mask(allowed, bias, dtype), distance, query_slice=queries, key_slice=keys,
                 sink_columns=sink_columns, sink_query_factors=sink_query_factors, n_sinks=n_sinks,
-                sink_key_rotation=sink_key_rotation, sinks_in_slots=sinks_in_slots)
+                sink_key_rotation=sink_key_rotation, sinks_in_slots=sinks_in_slots, n_memory=n_memory,
+                memory_place=memory_place)
+
+
+def _memory_terms(position_method: PositionMethod, terms: tuple, config, ctx: AttentionContext, queries: slice,
+                  origin):
+    """The position terms of the block memory's k * b key columns (after the window part), in the frame
+    (visibility.memory_frame). Returns (factors, bias, distance, sink_query_factors, memory_place).
+
+    A method that is not per token gets their terms in the frame, met by the query's second copy (the sinks' own,
+    or made here). Per-token RoPE: the cache rotates the raw memory keys into place (`memory_place`): where the
+    query meets its sinks through a second copy shifted into the frame (several queries), to frame place + `origin`
+    (the position the sinks' frame puts frame place 0 at: their first position plus S + k * b, or k * b without
+    sinks), as the sinks' keys sit; for one query, to its own position less its distance to each place."""
+    factors, bias, distance, query_factors = terms
+    q_index, start = ctx.query_index[queries][None], ctx.document_start[:, queries]
+    q_frame, k_frame = memory_frame(config, q_index, start)  # (B, T), (M,)
+    if position_method.per_token:
+        q_positions = ctx.query_positions[:, queries]
+        if q_positions.shape[1] == 1:
+            place = q_positions - q_frame + k_frame
+        else:
+            place = (k_frame + origin).expand(q_frame.shape[0], -1)
+            if query_factors is None:
+                query_factors = position_method.shift_factors(q_frame + origin - q_positions).unsqueeze(1)
+        return factors, bias, distance, query_factors, position_method.shift_factors(place).unsqueeze(1)
+    memory = position_method.terms(q_frame, k_frame.expand(q_frame.shape[0], -1))
+    if memory.factors is not None:
+        if query_factors is None:
+            query_factors = memory.factors[0].unsqueeze(1)
+        factors = (factors[0], torch.cat([factors[1], memory.factors[1]], dim=-2))
+    if memory.bias is not None:
+        bias = torch.cat([bias, memory.bias], dim=-1)
+    if memory.distance is not None:
+        distance = torch.cat([distance, memory.distance], dim=-1)
+    return factors, bias, distance, query_factors, None
 
 
 def _sees_every_key(allowed: torch.Tensor) -> bool:
@@ -304,7 +354,8 @@ def build_plan(
         plan.token_factors = position_method.token_factors(ctx.query_positions).unsqueeze(1)
     if total <= window or attention_maps or ctx.allowed is not None:  # a 4D mask is O(T * K) already
         plain = record.plain and not attention_maps
-        plan.tiles = [_dense_tile(config, position_method, ctx, slice(0, total), slice(0, n_keys), dtype, plain)]
+        plan.tiles = [_dense_tile(config, position_method, ctx, slice(0, total), slice(0, n_keys), dtype, plain,
+                                  record.memory)]
     elif config.attention_mode != "full":
         if record.plain and record.aligned and not sink_count(config):  # w queries plainly causal, then one pattern
             first = _dense_tile(config, position_method, ctx, slice(0, window), slice(0, window), dtype, plain=True)
@@ -320,7 +371,18 @@ def build_plan(
         ]
     in_slots = plan.tiles[0].sinks_in_slots
     plan.cache_kwargs = {"record": record, "sink_rotation": plan.tiles[0].sink_key_rotation if in_slots else None}
+    if memory_tokens(config):
+        plan.cache_kwargs["memory"] = _memory_cache_terms(position_method, record, plan.tiles[0].memory_place)
     return plan
+
+
+def _memory_cache_terms(position_method: PositionMethod, record: ForwardRecord, place) -> MemoryTerms:
+    """What each layer's cache needs for the block memory: what to read and how to place it, and (per-token RoPE)
+    how to rotate the keys this forward evicts back to position 0."""
+    unrotate = None
+    if position_method.per_token and record.dropped:
+        unrotate = position_method.shift_factors(-record.context.key_positions[:, : record.dropped]).unsqueeze(1)
+    return MemoryTerms(record.memory, place, unrotate)
 
 
 __all__ = ["AttentionPlan", "Tile", "build_plan"]

@@ -33,6 +33,7 @@ from .inputs import begin_forward
 from .kernels import eager_attention_forward, run_attention
 from .masking import AttentionPlan, build_plan
 from .positions import position_method
+from .visibility import memory_tokens
 from .xpos import sinusoidal_embedding
 
 logger = logging.get_logger(__name__)
@@ -148,9 +149,12 @@ class LexAttention(nn.Module):
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = query.transpose(1, 2), key.transpose(1, 2)
         value = self.v_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
+        cache_kwargs = plan.cache_kwargs
+        if cache_kwargs is not None and cache_kwargs.get("memory") is not None:  # the last query finds the blocks
+            cache_kwargs = {**cache_kwargs, "memory_query": query[:, :, -1]}
         query, key = plan.encode_tokens(query), plan.encode_tokens(key)
         if cache is not None:
-            key, value = cache.update(key, value, self.layer_idx, plan.cache_kwargs)
+            key, value = cache.update(key, value, self.layer_idx, cache_kwargs)
         dropout = self.config.attention_dropout if self.training else 0.0
         interface = eager_attention_forward
         if not plan.attention_maps:  # maps come from the eager computation, whatever the backend
@@ -167,9 +171,12 @@ def without_positions(plan: AttentionPlan) -> AttentionPlan:
     rotations. RoPE's position terms are rotations only: of the new tokens (`token_factors`) and of sinks seen in
     their cache frame (a second query copy, or the sink keys rotated back by the kernel or by the cache in its copy
     of its sink slots), so dropping those leaves plain attention under the same masks."""
-    tiles = [dataclasses.replace(tile, sink_query_factors=None, sink_key_rotation=None) for tile in plan.tiles]
-    return dataclasses.replace(plan, tiles=tiles, token_factors=None,
-                               cache_kwargs={**plan.cache_kwargs, "sink_rotation": None})
+    tiles = [dataclasses.replace(tile, sink_query_factors=None, sink_key_rotation=None, memory_place=None)
+             for tile in plan.tiles]
+    cache_kwargs = {**plan.cache_kwargs, "sink_rotation": None}
+    if plan.cache_kwargs.get("memory") is not None:  # the block memory's keys: raw, and raw when evicted
+        cache_kwargs["memory"] = dataclasses.replace(plan.cache_kwargs["memory"], place=None, unrotate=None)
+    return dataclasses.replace(plan, tiles=tiles, token_factors=None, cache_kwargs=cache_kwargs)
 
 
 class LexDecoderLayer(GradientCheckpointingLayer):
@@ -291,6 +298,13 @@ class LexModel(LexPreTrainedModel):
             raise ValueError("the input is empty: input_ids/inputs_embeds must hold at least one token")
         if use_cache and cache is None:
             cache = LexCache(self.config)
+        if memory_tokens(self.config) and reference.shape[1] > self.config.attention_window:
+            raise ValueError(
+                f"an input of {reference.shape[1]} tokens in one forward with attention_memory_blocks="
+                f"{self.config.attention_memory_blocks}: the block memory is read at most attention_window="
+                f"{self.config.attention_window} tokens at a time, through a LexCache (LexForCausalLM's forward and "
+                "generate() read longer inputs so)"
+            )
         record = begin_forward(self.config, *reference.shape[:2], self.embed_tokens.weight.device, attention_mask,
                                position_ids, cache)
         maps = kwargs.get("output_attentions", self.config.output_attentions)
@@ -368,7 +382,15 @@ class LexForCausalLM(LexPreTrainedModel, LexGenerationMixin, GenerationMixin):
             if scored < length:
                 cache.mark_removable(cache.seen + length - scored)
         wants_internals = kwargs.get("output_hidden_states") or kwargs.get("output_attentions")
-        if isinstance(cache, LEX_CACHES) and length > self.config.attention_window and not wants_internals:
+        long = length > self.config.attention_window and not wants_internals
+        if long and cache is None and memory_tokens(self.config):  # the memory fills while the input is read
+            outputs = self._prefill_in_blocks(
+                input_ids, inputs_embeds, attention_mask, position_ids, LexCache(self.config), logits_to_keep,
+                **kwargs
+            )
+            if not (self.config.use_cache if use_cache is None else use_cache):
+                outputs[CACHE_NAME] = None
+        elif isinstance(cache, LEX_CACHES) and long:
             outputs = self._prefill_in_blocks(
                 input_ids, inputs_embeds, attention_mask, position_ids, cache, logits_to_keep, **kwargs
             )

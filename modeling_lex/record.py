@@ -20,6 +20,8 @@ Shared terms (record.py, stream.py, cache.py, inputs.py, masking.py and kernels.
   part among the keys it returns. `sink_slots`: how many a cache has now (a LexCache none before its first dropped
   key, a LexStaticCache from the start; none where a cache never drops a key).
 - record: a `ForwardRecord`; `keep`: how many window keys the cache holds after the forward.
+- evicted: window keys a cache has dropped for good (stream indices 0 ... E - 1 of the row). With a block memory
+  (`attention_memory_blocks`, memory.py) the cache keeps them in blocks; `memory`: what one forward reads there.
 """
 
 from collections.abc import Callable
@@ -88,6 +90,25 @@ class StreamAfter:
     sink_valid: torch.Tensor
     sink_slots: int
     floor: int  # the earliest stream length a rollback can return to, while recording
+    memory_valid: torch.Tensor | None  # (B, E): whether each evicted token is real (block memory only)
+
+
+@dataclass
+class MemoryRead:
+    """What a forward reads of the block memory (the same for every layer; which blocks, each layer's own)."""
+
+    candidates: torch.Tensor  # (B, blocks) bool: complete, all real, after the sinks of the last query's document
+    token_valid: torch.Tensor  # (B, k * block) bool: the slot holds a block (the last min(k, candidates) slots)
+    document: torch.Tensor  # (B,) stream index where the last query's document starts: its queries read the memory
+
+
+@dataclass
+class MemoryTerms:
+    """What each layer's cache gets with its keys for the block memory (the plan's `cache_kwargs["memory"]`)."""
+
+    read: MemoryRead | None  # None: nothing to read in this forward
+    place: torch.Tensor | None  # (B, 1, k * block, d): rotation of the raw memory keys into their slots (RoPE)
+    unrotate: torch.Tensor | None  # (B, 1, dropped, d): undoes the rotation of the keys this forward evicts (RoPE)
 
 
 @dataclass
@@ -101,6 +122,12 @@ class ForwardRecord:
     plain: bool  # one document from the stream's start, no padding, nothing held: plain causal attention is exact
     aligned: bool  # each row one document whose blocks start where the new tokens' chunks do
     stream_after: StreamAfter
+    memory: MemoryRead | None = None  # what this forward reads of the block memory (None: nothing)
+
+    @property
+    def dropped(self) -> int:
+        """Window keys this forward evicts (the oldest of those the cache returns after its sink slots)."""
+        return 0 if self.keep is None else self.context.key_index.shape[0] - self.keep
 
     @property
     def sink_slots(self) -> int:
@@ -112,4 +139,4 @@ class ForwardRecord:
         return self.context.query_index.shape[0]
 
 
-__all__ = ["AttentionContext", "ForwardRecord", "StreamAfter", "StreamState"]
+__all__ = ["AttentionContext", "ForwardRecord", "MemoryRead", "MemoryTerms", "StreamAfter", "StreamState"]

@@ -23,7 +23,7 @@ from dataclasses import fields
 
 import torch
 
-from .record import AttentionContext, ForwardRecord, StreamAfter, StreamState
+from .record import AttentionContext, ForwardRecord, MemoryRead, StreamAfter, StreamState
 from .visibility import locate_in_window, sink_count, sink_indices
 
 
@@ -85,6 +85,9 @@ class Stream:
         self.record_past = False
         self.floor = 0  # the earliest stream length `roll_back` can return to, while recording
         self.removable_from: int | None = None  # tokens from this stream index on may be rolled back (see mark)
+        # The block memory (memory.py): whether each evicted token is real, (B, E); None without one.
+        self.memory = bool(config.attention_memory_blocks) and not static and not unbounded
+        self.memory_valid: torch.Tensor | None = None
 
     @property
     def held(self) -> int:
@@ -101,6 +104,8 @@ class Stream:
         self.sink_index = torch.arange(sinks, device=device).expand(batch, sinks).clone()
         self.sink_positions = torch.zeros(batch, sinks, dtype=torch.long, device=device)
         self.sink_valid = torch.zeros(batch, sinks, dtype=torch.bool, device=device)
+        if self.memory:
+            self.memory_valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)
         if self.static:
             self.seen = self.seen.to(device)
             for tensor in self._row_tensors() + [self.index, self.seen]:
@@ -164,9 +169,11 @@ class Stream:
             base=all_after.map(lambda t: t[:, drop - 1]) if drop > 0 and not self.static else self.base,
             state=all_after.map(lambda t: t[:, -1]),
             floor=floor,
+            memory_valid=None if not self.memory else torch.cat([self.memory_valid, context.key_valid[:, :drop]], 1),
             **sinks_after,
         )
-        return ForwardRecord(context, None if self.unbounded else keep, sink_source, plain, aligned, stream_after)
+        return ForwardRecord(context, None if self.unbounded else keep, sink_source, plain, aligned, stream_after,
+                             memory=self._memory_read(document_start[:, -1]) if self.memory else None)
 
     def commit(self, record: ForwardRecord) -> None:
         """Store the stream's metadata after the record's forward (static: in place, the buffers keep their
@@ -184,6 +191,26 @@ class Stream:
         else:
             self.seen, self.after, self.state, self.base = after.seen, after.after, after.state, after.base
         self.sink_slots, self.floor = after.sink_slots, after.floor
+        self.memory_valid = after.memory_valid
+
+    # ------------------------------------------------------------------------------------------------ block memory
+
+    def _memory_read(self, document: torch.Tensor) -> MemoryRead | None:
+        """What this forward reads of the block memory (memory.py): the complete blocks of evicted tokens, all real
+        and after the sinks of the document of the forward's last query (which starts at `document`, (B,)), and the
+        slots they fill; None where no row has one."""
+        slots, block = self.config.attention_memory_blocks, self.config.attention_memory_block_size
+        blocks = self.memory_valid.shape[1] // block
+        if blocks == 0:
+            return None
+        real = self.memory_valid[:, : blocks * block].unflatten(1, (blocks, block)).all(-1)
+        first = torch.arange(blocks, device=document.device) * block
+        candidates = real & (first[None, :] >= document[:, None] + self.sinks)
+        count = candidates.sum(1).clamp(max=slots)
+        if not bool(count.any()):
+            return None
+        filled = torch.arange(slots, device=document.device)[None, :] >= slots - count[:, None]
+        return MemoryRead(candidates, filled.repeat_interleave(block, dim=1), document)
 
     # ------------------------------------------------------------------------------------------------ sink slots
 
@@ -309,6 +336,8 @@ class Stream:
         self.positions, self.valid = function(self.positions), function(self.valid)
         self.sink_index, self.sink_positions = function(self.sink_index), function(self.sink_positions)
         self.sink_valid = function(self.sink_valid)
+        if self.memory_valid is not None:
+            self.memory_valid = function(self.memory_valid)
         self.after, self.base, self.state = self.after.map(function), self.base.map(function), self.state.map(function)
 
 

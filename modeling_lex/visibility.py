@@ -13,6 +13,9 @@ functions; neither writes a rule of its own.
   window does not already show that key, so no key counts twice. Where it sees them from is the config's
   `attention_sink_positions`: "true", at their own positions; "cache", StreamingLLM's positions within the cache
   (`sink_frame`).
+- The block memory (`attention_memory_blocks` = k, blocks of b = `attention_memory_block_size`): the blocks a
+  forward reads of the keys its window has evicted (memory.py) sit in the same frame, in the k * b places just
+  before the window; the sinks move before them (`memory_frame`, `sink_frame`).
 - The chunk index map: the long forward cuts its queries into chunks of one block and pairs each chunk with the
   keys it can reach.
 """
@@ -61,18 +64,33 @@ def window_first(config, q_index: torch.Tensor, start: torch.Tensor) -> torch.Te
     return torch.maximum(first, start)
 
 
+def memory_tokens(config) -> int:
+    """k * b: the places of the block memory's slots in the frame (0 without a memory)."""
+    return 0 if config.attention_mode == "full" else config.attention_memory_blocks * config.attention_memory_block_size
+
+
+def memory_frame(config, q_index: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where a query sees the block memory from: in a frame where its window starts at 0, the memory's k * b places
+    just before it (-k * b ... -1) and the query at its offset in its window. Returns the query's place (the shape
+    of q_index and start broadcast) and the memory's places (k * b,)."""
+    memory = memory_tokens(config)
+    return q_index - window_first(config, q_index, start), torch.arange(-memory, 0, device=q_index.device)
+
+
 def sink_frame(config, q_index: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The sink position rule: where a query sees its sinks from (`attention_sink_positions`).
 
     "true": at their own positions (None: no frame of their own). "cache" (StreamingLLM): in a frame where the
-    query's window starts at 0, sink j sits at j - S, just before it, and the query at its offset in its window:
-    returns the query's place (the shape of q_index and start broadcast) and the sinks' places (S,), so sink j is
-    seen at distance offset + S - j, never more than S + w.
+    query's window starts at 0, sink j sits at j - S, just before it (before the block memory's k * b places, if
+    any: at j - S - k * b), and the query at its offset in its window: returns the query's place (the shape of
+    q_index and start broadcast) and the sinks' places (S,), so sink j is seen at distance offset + S - j (+ k * b),
+    never more than S + k * b + w.
     """
     if config.attention_sink_positions == "true":
         return None
     sinks = sink_count(config)
-    return q_index - window_first(config, q_index, start), torch.arange(-sinks, 0, device=q_index.device)
+    query, memory = memory_frame(config, q_index, start)
+    return query, torch.arange(-sinks, 0, device=q_index.device) - memory.shape[0]
 
 
 def sink_indices(start: torch.Tensor, sinks: int) -> torch.Tensor:
@@ -105,6 +123,6 @@ def chunk_map(total: int, n_keys: int, block: int, left: int, device: torch.devi
 
 
 __all__ = [
-    "chunk_map", "locate_in_window", "seen_as_sink", "sink_count", "sink_frame", "sink_indices", "window_first",
-    "window_visible",
+    "chunk_map", "locate_in_window", "memory_frame", "memory_tokens", "seen_as_sink", "sink_count", "sink_frame",
+    "sink_indices", "window_first", "window_visible",
 ]

@@ -276,3 +276,105 @@ def use_window_attention(model, mode: str, window: int, sinks: int, rule: str = 
     ALL_ATTENTION_FUNCTIONS.register(name, llama_window_attention(model, mode, window, sinks, rule))
     model.set_attn_implementation(name)
     return model
+
+
+def memory_forward(state, config, input_ids, forwards, margins=None):
+    """Logits (n, vocab) of one row (one document from position 0, no padding) read as `forwards` (token counts,
+    in order) through a cache with the block memory past the window (attention_memory_blocks = k, blocks of
+    b = attention_memory_block_size) and S sinks at cache positions; the retrieval rule written out naively.
+
+    Before a forward that starts at token a, the cache has evicted tokens 0 ... E - 1 (sliding: E = a - w + 1;
+    blockwise: the start of the block before a's). Its complete blocks after the S sinks are the candidates; each
+    layer scores them with the forward's last query q (per head, before positions): the sum over heads of the best
+    q . r over the block's 4 keys of largest norm r (per key/value head, before positions); the top k, in stream
+    order, fill the last slots of k; slot s's token t is seen at distance (query - its window's first token) +
+    k*b - (s*b + t), sink j at (query - window's first) + k*b + S - j. Supports xpos, rope, decay, alibi, none.
+    `margins`: a list that receives, per forward and layer that chose among more than k blocks, the gap between the
+    k-th best score and the next (a float32 model may choose otherwise where it is tiny)."""
+    sd = {k: v.double() for k, v in state.items()}
+    n = input_ids.shape[0]
+    h, d = config.num_attention_heads, config.head_dim
+    group = h // config.num_key_value_heads
+    mode, w, sinks = config.attention_mode, config.attention_window, config.attention_sinks
+    slots, block = config.attention_memory_blocks, config.attention_memory_block_size
+    half, memory_places = w // 2, slots * block
+    inv_freq, attention_factor = frequencies(config)
+    kind = config.position_embedding_type
+    options = dict(gamma=config.xpos_gamma, scale_base=config.xpos_scale_base, inv_freq=inv_freq,
+                   attention_factor=attention_factor)
+    act = {"gelu": torch.nn.functional.gelu, "relu": torch.relu, "swish": torch.nn.functional.silu,
+           "silu": torch.nn.functional.silu}[config.hidden_act]
+
+    def ln(x, p):
+        if config.norm_type == "rmsnorm":
+            return x / torch.sqrt((x * x).mean(-1, keepdim=True) + config.rms_norm_eps) * sd[p + ".weight"]
+        return torch.nn.functional.layer_norm(x, x.shape[-1:], sd[p + ".weight"], sd[p + ".bias"], config.layer_norm_eps)
+
+    def lin(x, p):
+        return x @ sd[p + ".weight"].T + (sd[p + ".bias"] if p + ".bias" in sd else 0)
+
+    def window_first(i):
+        return max(0, i - w + 1) if mode == "sliding" else max(0, (i // half - 1) * half)
+
+    def scores_of(qh, keys, q_at, k_at, head):
+        """q . k / sqrt(d) of a raw query seen at q_at and raw keys (m, d) seen at k_at (m,), with the method's
+        terms."""
+        if kind in ("xpos", "rope", "decay"):
+            qh = encode(qh[None], torch.tensor([q_at]), kind, **options)[0]
+            keys = encode(keys, k_at, kind, downscale=True, **options)
+        value = keys @ qh / math.sqrt(d)
+        if kind == "alibi":
+            value = value - alibi_slopes(h)[head] * (q_at - k_at).double()
+        return value
+
+    starts = [sum(forwards[:f]) for f in range(len(forwards))]
+    x = sd["model.embed_tokens.weight"][input_ids] * config.embedding_scale
+    for layer in range(config.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        y = ln(x, p + "self_attn_layer_norm")
+        q, k, v = (lin(y, p + f"self_attn.{name}_proj") for name in "qkv")
+        q, k, v = q.view(n, h, d), k.view(n, -1, d), v.view(n, -1, d)
+        attn = torch.zeros(n, h, d, dtype=torch.float64)
+        for a, count in zip(starts, forwards):
+            evicted = max(0, a - w + 1) if mode == "sliding" else max(0, (a // half - 1) * half)
+            candidates = [j for j in range(evicted // block) if j * block >= sinks]
+            last = a + count - 1
+
+            def block_score(j):
+                total = 0.0
+                for head in range(h):
+                    keys = k[j * block : (j + 1) * block, head // group]
+                    top = keys.norm(dim=-1).topk(min(4, block)).indices
+                    total += (keys[top] @ q[last, head]).max()
+                return total
+
+            ranked = sorted(((float(block_score(j)), j) for j in candidates), reverse=True)
+            if margins is not None and len(ranked) > slots:
+                margins.append(ranked[slots - 1][0] - ranked[slots][0])
+            chosen = sorted(j for _, j in ranked[:slots])
+            memory = []  # (stream index, place in the memory's slots)
+            for rank, j in enumerate(chosen):
+                slot = slots - len(chosen) + rank
+                memory += [(j * block + t, slot * block + t) for t in range(block)]
+            for i in range(a, a + count):
+                first = window_first(i)
+                offset = i - first
+                for head in range(h):
+                    kv = head // group
+                    seen = [(j, i - j) for j in range(first, i + 1)]  # (key, distance)
+                    seen += [(j, offset + memory_places + sinks - j) for j in range(min(sinks, first))]
+                    seen += [(j, offset + memory_places - place) for j, place in memory]
+                    index = torch.tensor([j for j, _ in seen])
+                    at = i - torch.tensor([dist for _, dist in seen])
+                    weights = torch.softmax(scores_of(q[i, head], k[index, kv], i, at, head), 0)
+                    attn[i, head] = weights @ v[index, kv]
+        x = x + lin(attn.reshape(n, h * d), p + "self_attn.o_proj")
+        y = ln(x, p + "final_layer_norm")
+        if config.mlp_type == "gated":
+            y = act(lin(y, p + "mlp.gate_proj")) * lin(y, p + "mlp.up_proj")
+        else:
+            y = act(lin(y, p + "mlp.fc1"))
+        x = x + lin(y, p + ("mlp.down_proj" if config.mlp_type == "gated" else "mlp.fc2"))
+    x = ln(x, "model.norm")
+    head = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
+    return x @ head.T

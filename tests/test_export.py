@@ -26,8 +26,8 @@ pytestmark = pytest.mark.oldest  # also run on the oldest transformers we declar
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT_ENTRIES = ("configuration_lex", "modeling_lex", "lex", "convert", "lex_base")
-CODE_FILES = {"configuration_lex.py", "xpos.py", "positions.py", "visibility.py", "record.py", "stream.py", "cache.py",
-              "inputs.py", "masking.py", "kernels.py", "generation.py", "modeling_lex.py"}
+CODE_FILES = {"configuration_lex.py", "xpos.py", "positions.py", "visibility.py", "record.py", "stream.py", "memory.py",
+              "cache.py", "inputs.py", "masking.py", "kernels.py", "generation.py", "modeling_lex.py"}
 TRAINING_LENGTH = 16
 
 

@@ -10,7 +10,7 @@ PACKAGES = ("lex_base", "configuration_lex", "modeling_lex", "convert", "lex")
 LAYERS = {"lex_base": -1, "configuration_lex": 0, "modeling_lex": 1, "convert": 2, "lex": 3, "lex.metrics": 4,
           "lex.commands": 4, "lex.cli": 5}
 # The rooms of modeling_lex/, each importing only rooms before it: formulas, then who sees whom, one forward's
-# record and the shared terms, the stream's bookkeeping, the generate() glue, the caches that keep what a record
+# record and the shared terms, the stream's bookkeeping, the block memory, the generate() glue, the caches that keep what a record
 # says, the caller's inputs read into a record, the attention plan made from a record, the kernels that run it,
 # and the model file that reads top to bottom.
 MODEL_ROOMS = {
@@ -19,6 +19,7 @@ MODEL_ROOMS = {
     "modeling_lex.visibility": "who sees whom: the window rule, the one sink rule, the chunk index map",
     "modeling_lex.record": "one forward's record (what it reads, what the cache keeps after it); the shared terms",
     "modeling_lex.stream": "the stream's bookkeeping: documents, positions, the keep policy, sink slots, rollback",
+    "modeling_lex.memory": "the block memory past the window: a layer's evicted keys in blocks, which blocks it reads",
     "modeling_lex.generation": "every coupling to transformers' generate() loop, with the versions it targets",
     "modeling_lex.cache": "the bounded caches: update returns what attention reads, commit keeps what a record says",
     "modeling_lex.inputs": "the caller's mask, position ids and cache checked and read into a forward's record",
@@ -27,7 +28,7 @@ MODEL_ROOMS = {
     "modeling_lex.modeling_lex": "norm, MLP, attention, layer, model, causal-LM head; the Auto classes",
 }
 # Rooms that may change a cache's state; the plan and the kernels may import none of them.
-STATEFUL_ROOMS = ("modeling_lex.stream", "modeling_lex.cache", "modeling_lex.inputs")
+STATEFUL_ROOMS = ("modeling_lex.stream", "modeling_lex.memory", "modeling_lex.cache", "modeling_lex.inputs")
 
 
 def module_name(path: Path) -> str:

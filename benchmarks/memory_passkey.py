@@ -1,0 +1,122 @@
+"""Passkey recall past the window on the real checkpoint: full attention as published, the window + sinks, and the
+window + sinks with the block memory (`attention_memory_blocks`), keys at several depths of several lengths.
+
+The prompt (SmolLM2-135M-Instruct's chat template, one user turn, greedy): filler, a 5-digit key hidden at a depth
+of the document ("The pass key is KEY. Remember it. KEY is the pass key."), more filler, the question. Filler is
+the landmark-attention sentences repeated (`repeated`) or natural text (`natural`: --filler_text, by default the
+42 works of ../shared/data/shakespeare, each key's filler from its own random place), the harder form. A key is
+recalled when the reply holds it. All readings of a key share its prompt; full attention as published reads the
+lengths up to --full_max (default 4,096, inside the training length), the windowed models every length. Each row
+prints as it is measured: reading, form, length, depth, recalled of --keys, and the seconds the cell took.
+
+    python benchmarks/memory_passkey.py [--lengths 4096,8192,32768] [--depths 0.1,0.5,0.9] [--keys 3]
+        [--forms repeated,natural] [--memory_blocks 16] [--memory_block_size 64] [--output memory_passkey.json]
+"""
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from common import ROOT, peak_rss_mb, real_checkpoint, write_output
+
+from convert.hf import lex_from_hf
+from lex.models import load_model, load_tokenizer
+from lex.passkey import FILLER, QUESTION
+from modeling_lex import LexCache
+
+SHAKESPEARE = ROOT.parent / "shared" / "data" / "shakespeare"
+
+
+def natural_text(folder: Path) -> str:
+    return "\n\n".join(path.read_text(encoding="utf-8") for path in sorted(folder.glob("*.txt")))
+
+
+def prompt_ids(tokenizer, length: int, depth: float, key: str, filler: list[int]) -> torch.Tensor:
+    """The chat prompt of about `length` tokens with the key at `depth` of its filler."""
+    needle = tokenizer(f" The pass key is {key}. Remember it. {key} is the pass key. ", add_special_tokens=False
+                       ).input_ids
+    question = tokenizer(QUESTION.strip(), add_special_tokens=False).input_ids
+    frame = tokenizer.apply_chat_template([{"role": "user", "content": "X"}], add_generation_prompt=True,
+                                          tokenize=False)
+    head, tail = frame.split("X")
+    head, tail = (tokenizer(part, add_special_tokens=False).input_ids for part in (head, tail))
+    body = length - len(head) - len(tail) - len(needle) - len(question)
+    text = (filler * (body // len(filler) + 1))[:body]
+    before = int(body * depth)
+    return torch.tensor(head + text[:before] + needle + text[before:] + question + tail)[None]
+
+
+@torch.no_grad()
+def reply(model, ids: torch.Tensor, tokenizer, memory_directory: str | None) -> str:
+    cache = LexCache(model.config, memory_directory) if model.config.model_type == "lex" else None
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, cache=cache,
+                         pad_token_id=tokenizer.eos_token_id)
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--lengths", default="4096,8192,32768")
+    parser.add_argument("--depths", default="0.1,0.5,0.9")
+    parser.add_argument("--keys", type=int, default=3)
+    parser.add_argument("--forms", default="repeated,natural")
+    parser.add_argument("--filler_text", type=Path, default=SHAKESPEARE, help="a text file or a folder of them")
+    parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--sinks", type=int, default=4)
+    parser.add_argument("--memory_blocks", type=int, default=16)
+    parser.add_argument("--memory_block_size", type=int, default=64)
+    parser.add_argument("--full_max", type=int, default=4096, help="longest length full attention reads")
+    parser.add_argument("--readings", default="full,window,memory")
+    parser.add_argument("--memory_directory", default=None, help="keep the block memory memory-mapped there")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--output", type=Path, default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    path = str(real_checkpoint(args.model))
+    published, tokenizer = load_model(path).eval(), load_tokenizer(path)
+    window = lex_from_hf(published, "sliding", args.window, args.sinks, "cache").eval()
+    memory = lex_from_hf(published, "sliding", args.window, args.sinks, "cache").eval()
+    memory.config.attention_memory_blocks = args.memory_blocks
+    memory.config.attention_memory_block_size = args.memory_block_size
+    readings = {"full": published, "window": window, "memory": memory}
+    source = args.filler_text
+    text = natural_text(source) if source.is_dir() else source.read_text(encoding="utf-8")
+    natural = tokenizer(text, add_special_tokens=False).input_ids
+    rng = random.Random(0)
+    rows = []
+    print(f"{'reading':>8}{'form':>10}{'length':>8}{'depth':>7}{'recalled':>10}{'seconds':>9}", flush=True)
+    for length in map(int, args.lengths.split(",")):
+        for form in args.forms.split(","):
+            for depth in map(float, args.depths.split(",")):
+                prompts = []
+                for _ in range(args.keys):
+                    key = str(rng.randint(10000, 99999))
+                    if form == "natural":
+                        start = rng.randrange(len(natural) - length)
+                        filler = natural[start : start + length]
+                    else:
+                        filler = tokenizer(FILLER, add_special_tokens=False).input_ids
+                    prompts.append((key, prompt_ids(tokenizer, length, depth, key, filler)))
+                for name in args.readings.split(","):
+                    if name == "full" and length > args.full_max:
+                        continue
+                    began = time.perf_counter()
+                    answers = [reply(readings[name], ids, tokenizer, args.memory_directory) for _, ids in prompts]
+                    hits = sum(key in answer for (key, _), answer in zip(prompts, answers))
+                    seconds = time.perf_counter() - began
+                    rows.append({"reading": name, "form": form, "length": length, "depth": depth, "recalled": hits,
+                                 "keys": args.keys, "seconds": seconds, "answers": answers,
+                                 "keys_hidden": [key for key, _ in prompts]})
+                    print(f"{name:>8}{form:>10}{length:>8}{depth:>7}{hits:>7} /{args.keys}{seconds:>9.1f}", flush=True)
+    print(f"peak RSS {peak_rss_mb():.0f} MB", flush=True)
+    write_output(args, {"rows": rows, "peak_rss_mb": peak_rss_mb()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""The block memory past the window (`attention_memory_blocks` = k > 0): one layer's evicted keys and values, and
+which of their blocks a forward reads.
+
+Keys and values that leave a LexCache's window part are appended here, in stream order, without positions
+(RoPE keys are rotated back to position 0 first: the record's `MemoryTerms.unrotate`), so the store holds the
+stream's tokens 0 ... E - 1 (E: tokens evicted so far) in blocks of b = `attention_memory_block_size`; the last,
+incomplete block waits for its last token. Each complete block has `REPRESENTATIVES` representative keys per
+key/value head: the block's keys of largest norm (chosen by measurement on SmolLM2-135M,
+benchmarks/memory_retrieval_probe.py: as good as the block's mean at finding a passkey's block, and better with
+natural filler).
+
+The retrieval rule (one forward, one layer): the forward's last query q (per head, before positions) scores every
+candidate block j (`MemoryRead.candidates`: complete, every token real, after the sinks of that query's document)
+as the sum over query heads h of max over the block's representatives r of q_h . r (each query head against its
+key/value head). The top min(k, candidates) blocks (of equal scores, the later) are read, in stream order, in the last of the k slots (the
+first are empty, masked). Slot s's token t sits at frame position -k*b + s*b + t: just before the query's window
+and after its sinks (visibility.memory_frame), the same for every layer. The store grows with the document by its
+keys' and values' bytes (the model's dtype) plus k/b's representatives; compute per token stays O(S + k*b + w).
+With `directory` set, the store lives in memory-mapped files there (unlinked at once: the pages stay the
+process's until it drops them, and the files vanish with it).
+"""
+
+import os
+import tempfile
+from collections.abc import Callable
+
+import torch
+
+from .record import MemoryRead
+
+REPRESENTATIVES = 4  # representative keys per block and key/value head
+
+
+def _allocate(like: torch.Tensor, shape: tuple[int, ...], directory: str | None) -> torch.Tensor:
+    """An uninitialised tensor of `shape` like `like`: in RAM, or memory-mapped from a file in `directory`."""
+    if directory is None:
+        return like.new_empty(shape)
+    count = 1
+    for size in shape:
+        count *= size
+    handle, path = tempfile.mkstemp(prefix="lex-memory-", suffix=".bin", dir=directory)
+    os.close(handle)
+    try:
+        storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=count * like.element_size())
+    finally:
+        os.unlink(path)
+    return torch.tensor([], dtype=like.dtype).set_(storage).view(shape)
+
+
+def _grown(buffer: torch.Tensor | None, like: torch.Tensor, used: int, needed: int, dim: int,
+           directory: str | None) -> torch.Tensor:
+    """`buffer` with room for `needed` entries along `dim` (doubling: amortised O(1) copies per entry)."""
+    if buffer is not None and buffer.shape[dim] >= needed:
+        return buffer
+    shape = list(like.shape)
+    shape[dim] = max(needed, 2 * (0 if buffer is None else buffer.shape[dim]), 256 if dim == 2 else 16)
+    grown = _allocate(like, tuple(shape), directory)
+    if used:
+        grown.narrow(dim, 0, used).copy_(buffer.narrow(dim, 0, used))
+    return grown
+
+
+def block_representatives(keys: torch.Tensor, block: int) -> torch.Tensor:
+    """(B, H, n*block, d) keys -> (B, H, n, REPRESENTATIVES, d): each block's keys of largest norm."""
+    blocks = keys.unflatten(2, (-1, block))
+    top = blocks.norm(dim=-1).topk(min(REPRESENTATIVES, block), dim=-1).indices
+    return blocks.gather(3, top[..., None].expand(*top.shape, keys.shape[-1]))
+
+
+def block_scores(query: torch.Tensor, representatives: torch.Tensor) -> torch.Tensor:
+    """query (B, Hq, d) against representatives (B, Hkv, n, r, d) -> (B, n): over query heads, the sum of each head's
+    best score against its key/value head's representatives of the block."""
+    batch, heads, width = query.shape
+    grouped = query.view(batch, representatives.shape[1], heads // representatives.shape[1], width)
+    scores = torch.einsum("bhgd,bhnrd->bhgnr", grouped.to(representatives.dtype), representatives)
+    return scores.amax(-1).sum((1, 2))
+
+
+class BlockMemory:
+    """One layer's evicted keys and values (raw, stream order) and their blocks' representatives."""
+
+    def __init__(self, block: int, slots: int, directory: str | None = None) -> None:
+        self.block, self.slots, self.directory = block, slots, directory
+        self.keys = self.values = self.representatives = None
+        self.length = 0  # tokens held (E)
+
+    @property
+    def blocks(self) -> int:
+        """Complete blocks."""
+        return self.length // self.block
+
+    def nbytes(self) -> int:
+        """Bytes of what is held (keys, values and representatives)."""
+        if self.keys is None:
+            return 0
+        per_token = 2 * self.keys[:, :, :1].nbytes
+        return self.length * per_token + self.blocks * self.representatives[:, :, :1].nbytes
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Hold evicted keys and values (B, H, n, d), the next n tokens of the stream; representatives of the
+        blocks they complete."""
+        count = keys.shape[2]
+        if count == 0:
+            return
+        complete = self.blocks
+        stop = self.length + count
+        self.keys = _grown(self.keys, keys, self.length, stop, 2, self.directory)
+        self.values = _grown(self.values, values, self.length, stop, 2, self.directory)
+        self.keys[:, :, self.length : stop] = keys.detach()
+        self.values[:, :, self.length : stop] = values.detach()
+        self.length = stop
+        if self.blocks > complete:
+            shape = (*keys.shape[:2], 1, min(REPRESENTATIVES, self.block), keys.shape[3])
+            self.representatives = _grown(self.representatives, keys.new_empty(shape), complete, self.blocks, 2,
+                                          None)
+            span = self.keys[:, :, complete * self.block : self.blocks * self.block]
+            self.representatives[:, :, complete : self.blocks] = block_representatives(span, self.block)
+
+    def read(self, query: torch.Tensor, read: MemoryRead) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k slots' keys and values (B, H, k*block, d) for the forward's last query (B, Hq, d), raw; the
+        empty slots (first) hold block 0, masked by the plan."""
+        blocks = read.candidates.shape[1]
+        scores = block_scores(query, self.representatives[:, :, :blocks])
+        scores = scores.masked_fill(~read.candidates, float("-inf"))
+        # The best min(k, blocks); of equal scores (blocks of the same tokens), the later block.
+        order = scores.flip(1).sort(dim=1, descending=True, stable=True).indices[:, : self.slots]
+        chosen = blocks - 1 - order  # (B, <= k)
+        chosen = torch.where(scores.gather(1, chosen) > float("-inf"), chosen, -1).sort(dim=1).values
+        if chosen.shape[1] < self.slots:  # fewer blocks than slots: the missing slots come first, empty
+            chosen = torch.cat([chosen.new_full((chosen.shape[0], self.slots - chosen.shape[1]), -1), chosen], 1)
+        tokens = (chosen.clamp(min=0)[:, :, None] * self.block + torch.arange(self.block, device=chosen.device))
+        index = tokens.flatten(1)[:, None, :, None].expand(-1, self.keys.shape[1], -1, self.keys.shape[3])
+        return self.keys.gather(2, index), self.values.gather(2, index)
+
+    def apply_to_rows(self, function: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Beam reordering and batch selection: every held tensor, row by row (into RAM)."""
+        if self.keys is None:
+            return
+        self.keys = function(self.keys[:, :, : self.length])
+        self.values = function(self.values[:, :, : self.length])
+        self.representatives = function(self.representatives[:, :, : self.blocks])
+
+
+__all__ = ["REPRESENTATIVES", "BlockMemory", "block_representatives", "block_scores"]

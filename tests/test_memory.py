@@ -1,0 +1,177 @@
+"""The block memory past the window (`attention_memory_blocks`): evicted keys kept in blocks, the top k of them read
+by every forward, placed between the sinks and the window.
+
+Reference: `reference.memory_forward`, the retrieval rule written out naively in float64 (same blocks chosen, same
+logits) for every forward split a user meets: token by token, prompt chunks of w, a long forward, generate(). The
+real checkpoint's recall of a key hidden at 4·l is tested in test_real_checkpoint.py (slow).
+"""
+
+import pytest
+import torch
+from huggingface_hub.errors import StrictDataclassClassValidationError
+
+import modeling_lex  # noqa: F401
+from modeling_lex import LexCache, LexForCausalLM, LexStaticCache
+from tests import reference
+from tests.helpers import PAD, W, greedy, perturbed_model, prompt, tiny_config
+
+pytestmark = pytest.mark.oldest  # also run on the oldest transformers we declare
+
+BLOCKS, BLOCK = 2, 3
+
+
+def memory_config(**overrides):
+    values = dict(attention_memory_blocks=BLOCKS, attention_memory_block_size=BLOCK, attention_sink_positions="cache",
+                  num_attention_heads=4, num_key_value_heads=2, norm_type="rmsnorm", mlp_type="gated",
+                  hidden_act="silu")
+    return tiny_config(**{**values, **overrides})
+
+
+def read(model, ids: torch.Tensor, forwards: list[int], cache: LexCache) -> torch.Tensor:
+    """Logits of one row read through `cache` as `forwards` (token counts)."""
+    logits, start = [], 0
+    with torch.no_grad():
+        for count in forwards:
+            logits.append(model(ids[:, start : start + count], cache=cache).logits[0])
+            start += count
+    return torch.cat(logits)
+
+
+def assert_reference(model, ids: torch.Tensor, forwards: list[int], logits: torch.Tensor) -> None:
+    margins = []
+    expected = reference.memory_forward(model.state_dict(), model.config, ids[0], forwards, margins)
+    assert margins, "no forward chose among more blocks than it reads: the retrieval was never tested"
+    torch.testing.assert_close(logits.double(), expected, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("method", ["rope", "xpos", "alibi"])
+@pytest.mark.parametrize("mode", ["sliding", "blockwise"])
+@pytest.mark.parametrize("sinks", [0, 4])
+def test_cached_reading_matches_the_reference(method, mode, sinks):
+    """Prompt chunks (one across a block boundary), then decoding: the blocks each layer reads and the logits are
+    the reference's; the cache's memory holds every evicted token."""
+    config = memory_config(position_embedding_type=method, attention_mode=mode, attention_sinks=sinks)
+    model = perturbed_model(config)
+    ids = prompt(1, 60, seed=1)
+    forwards = [W, W - 3, 5, 1, 7] + [1] * 18
+    cache = LexCache(config)
+    logits = read(model, ids, forwards, cache)
+    assert_reference(model, ids, forwards, logits)
+    assert cache.layers[0].memory.length == cache.seen - cache.held > BLOCKS * BLOCK
+
+
+@pytest.mark.parametrize("sinks", [0, 4])
+def test_long_forward_reads_through_the_memory(sinks):
+    """A forward longer than w without a cache reads w tokens at a time through a LexCache with the memory, which
+    it returns (use_cache), or not."""
+    config = memory_config(position_embedding_type="rope", attention_mode="sliding", attention_sinks=sinks)
+    model = perturbed_model(config)
+    ids = prompt(1, 3 * W + 5, seed=2)
+    with torch.no_grad():
+        out = model(ids)
+        plain = model(ids, use_cache=False)
+    assert_reference(model, ids, [W, W, W, 5], out.logits[0])
+    assert isinstance(out.cache, LexCache) and out.cache.memory_bytes > 0
+    assert plain.cache is None
+    torch.testing.assert_close(plain.logits, out.logits)
+
+
+def test_base_model_refuses_a_long_input():
+    config = memory_config(attention_mode="sliding")
+    with pytest.raises(ValueError, match="attention_memory_blocks=2"):
+        LexForCausalLM(config).model(prompt(1, W + 1))
+
+
+@pytest.mark.parametrize("method", ["rope", "xpos"])
+def test_greedy_generate_matches_the_reference(method):
+    """generate(): the prompt in chunks of w, then one token a forward; each new token is the reference's argmax."""
+    config = memory_config(position_embedding_type=method, attention_mode="blockwise", attention_sinks=4)
+    model = perturbed_model(config, seed=3)
+    ids = prompt(1, 2 * W + 9, seed=3)
+    out = greedy(model, ids, max_new_tokens=12)
+    tokens = out.sequences
+    forwards = [W, W, 9] + [1] * 11
+    expected = reference.memory_forward(model.state_dict(), config, tokens[0, :-1], forwards)
+    generated = torch.stack(out.logits, dim=1)[0]
+    torch.testing.assert_close(generated.double(), expected[ids.shape[1] - 1 :], atol=2e-5, rtol=0)
+    assert torch.equal(tokens[0, ids.shape[1] :], expected[ids.shape[1] - 1 :].argmax(-1))
+
+
+def test_left_padded_rows_read_as_alone():
+    """A row left-padded by w tokens (a multiple of the block size) reads the same blocks at the same places as
+    alone. (Blocks are cut at stream indices and a long prompt is read w tokens a forward, each forward retrieving
+    for its last query: other padding shifts both, and the row reads other blocks.)"""
+    config = memory_config(position_embedding_type="rope", attention_mode="sliding", attention_sinks=4,
+                           attention_memory_block_size=4)
+    model = perturbed_model(config, seed=4)
+    long, short = prompt(1, 4 * W, seed=5), prompt(1, 3 * W, seed=6)
+    batch = torch.cat([long, torch.cat([torch.full((1, W), PAD), short], dim=1)])
+    mask = torch.ones_like(batch)
+    mask[1, :W] = 0
+    together = greedy(model, batch, attention_mask=mask, max_new_tokens=8)
+    for row, alone in enumerate((long, short)):
+        single = greedy(model, alone, max_new_tokens=8)
+        assert torch.equal(together.sequences[row, -8:], single.sequences[0, -8:])
+        for step, logits in enumerate(single.logits):
+            torch.testing.assert_close(together.logits[step][row], logits[0], atol=1e-5, rtol=0)
+
+
+def test_sampling_beams_and_a_returned_cache():
+    """Sampling, beam search (the memory's rows follow their beams) and continuing from a returned cache run and
+    read the memory."""
+    config = memory_config(position_embedding_type="rope", attention_mode="sliding", attention_sinks=4)
+    model = perturbed_model(config, seed=7)
+    ids = prompt(2, 2 * W, seed=7)
+    torch.manual_seed(0)
+    sampled = model.generate(ids, do_sample=True, max_new_tokens=6, pad_token_id=PAD, return_dict_in_generate=True)
+    assert sampled.cache.memory_bytes > 0
+    beams = model.generate(ids, num_beams=3, max_new_tokens=6, pad_token_id=PAD, return_dict_in_generate=True)
+    assert beams.sequences.shape == (2, 2 * W + 6) and beams.cache.memory_bytes > 0
+    first = greedy(model, ids, max_new_tokens=4)
+    more = model.generate(first.sequences, cache=first.cache, do_sample=False, max_new_tokens=4, pad_token_id=PAD)
+    assert more.shape == (2, 2 * W + 8)
+
+
+def test_memory_mapped_store(tmp_path):
+    """`LexCache(config, memory_directory=...)`: the store in memory-mapped files there (unlinked at once), the same
+    logits and bytes as in RAM."""
+    config = memory_config(position_embedding_type="rope", attention_mode="sliding", attention_sinks=4)
+    model = perturbed_model(config, seed=8)
+    ids = prompt(1, 3 * W, seed=8)
+    in_ram, on_disk = LexCache(config), LexCache(config, memory_directory=str(tmp_path))
+    forwards = [W, W, W]
+    torch.testing.assert_close(read(model, ids, forwards, on_disk), read(model, ids, forwards, in_ram))
+    assert on_disk.memory_bytes == in_ram.memory_bytes > 0
+    assert not list(tmp_path.iterdir())
+    layer = on_disk.layers[0].memory
+    assert layer.keys.untyped_storage().filename is not None  # file-backed
+    evicted = on_disk.seen - on_disk.held
+    per_token = 2 * config.num_key_value_heads * config.head_dim * 4  # keys and values, float32
+    representatives = (evicted // BLOCK) * config.num_key_value_heads * min(4, BLOCK) * config.head_dim * 4
+    assert on_disk.memory_bytes == config.num_hidden_layers * (evicted * per_token + representatives)
+
+
+def test_refusals():
+    """Full mode, sinks at true positions, the static cache and assisted decoding refuse the memory by name."""
+    with pytest.raises(StrictDataclassClassValidationError, match="attention_memory_blocks=2 with attention_mode='full'"):
+        memory_config(attention_mode="full")
+    with pytest.raises(StrictDataclassClassValidationError, match="attention_sink_positions='true'.*allowed: 'cache'"):
+        memory_config(attention_sinks=4, attention_sink_positions="true")
+    config = memory_config(attention_mode="sliding")
+    with pytest.raises(ValueError, match="LexStaticCache with attention_memory_blocks=2"):
+        LexStaticCache(config, max_cache_len=64)
+    model = perturbed_model(config)
+    with pytest.raises(ValueError, match="activate_past_recording with attention_memory_blocks=2"):
+        model.generate(prompt(1, 8), assistant_model=perturbed_model(config, seed=1), max_new_tokens=4,
+                       pad_token_id=PAD)
+
+
+def test_saved_folder_keeps_the_memory(tmp_path):
+    config = memory_config(attention_mode="sliding", attention_sinks=4)
+    model = perturbed_model(config)
+    model.save_pretrained(tmp_path)
+    loaded = LexForCausalLM.from_pretrained(tmp_path)
+    assert (loaded.config.attention_memory_blocks, loaded.config.attention_memory_block_size) == (BLOCKS, BLOCK)
+    ids = prompt(1, 3 * W, seed=9)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
