@@ -266,6 +266,32 @@ def test_lex_from_hf_memory_keyword_equals_the_config_fields(name):
         LexConfig().attention_memory_block_size
 
 
+def test_a_gguf_converts_with_a_block_memory(tmp_path):
+    """`lex convert-hf TINY.gguf OUT ... --attention_memory_blocks 2 --attention_memory_block_size 4`: the fields in
+    the folder's config, and the folder computes what lex_from_hf with the same keywords makes of the Llama."""
+    pytest.importorskip("gguf")
+    from lex.data import kjv_books, train_tokenizer
+    from tests.helpers import llama_gguf
+
+    tokenizer = train_tokenizer([kjv_books()[0]["text"][:20000]], 300)
+    config = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    source = perturb(LlamaForCausalLM(config), 0)
+    llama_gguf(tmp_path / "tiny.gguf", source, tokenizer)
+    out = tmp_path / "lex"
+    assert lex(["convert-hf", str(tmp_path / "tiny.gguf"), str(out), "--attention_mode", "sliding",
+                "--attention_window", "8", "--attention_memory_blocks", "2", "--attention_memory_block_size", "4"]) == 0
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["attention_memory_blocks"], saved["attention_memory_block_size"]) == (2, 4)
+    tokens = torch.randint(1, 300, (1, LONG), generator=torch.Generator().manual_seed(0))
+    expected = logits(lex_from_hf(source, "sliding", 8, attention_memory_blocks=2, attention_memory_block_size=4),
+                      tokens)
+    torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(out).eval(), tokens), expected,
+                               atol=1e-4, rtol=0)
+
+
 def test_existing_output_is_refused_without_force(llama_folder, tmp_path, capsys):
     out = tmp_path / "lex"
     out.mkdir()
@@ -463,6 +489,7 @@ def test_converted_folder_loads_without_this_package(tmp_path):
     (dict(attention_output_bias=True), "attention_output_bias"),
     (dict(attention_mode="sliding", attention_bias=True), "attention_output_bias"),
     (dict(attention_mode="sliding", mlp_bias=True), "mlp_bias"),
+    (dict(attention_mode="sliding", attention_memory_blocks=2), "attention_memory_blocks"),
     (dict(attention_bias=True, attention_output_bias=False, mlp_bias=True), "mlp_bias"),
 ], ids=lambda value: value if isinstance(value, str) else "-".join(f"{k}={v}" for k, v in value.items()))
 def test_what_no_hf_architecture_computes_is_refused_before_writing(fields, field, tmp_path, capsys):
