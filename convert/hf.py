@@ -1,7 +1,8 @@
 """Llama, Mistral, Qwen2, Qwen3, Phi-3 and SmolLM3 checkpoints <-> LEX models.
 
     lex convert-hf SRC OUT [--attention_mode M] [--attention_window W] [--attention_sinks S]
-        [--attention_sink_positions cache|true] [--position_embedding_type rope|xpos] [--dtype D] [--force]
+        [--attention_sink_positions cache|true] [--attention_memory_blocks K] [--attention_memory_block_size B]
+        [--position_embedding_type rope|xpos] [--dtype D] [--force]
     lex convert-to-hf SRC OUT [--force]
 
 SRC is a model folder (safetensors) or a `.gguf` file of an architecture transformers' GGUF loader reads (Llama,
@@ -15,7 +16,8 @@ and Phi-3's fused `qkv_proj` and `gate_up_proj` are split into q/k/v and gate/up
 the way out (`hf_model_type` records the family to go back to). By default it computes exactly what the source
 does: full attention, or the source's `sliding_window` on every layer as LEX `sliding` with w = that window (a
 query at p sees p-w+1 ... p in both). `attention_mode="blockwise"` (BCA) or `"sliding"` makes it read past its
-training length.
+training length, and `attention_memory_blocks` k > 0 (with `attention_memory_block_size` b) adds a block memory
+past the window to those modes: the k blocks of b evicted tokens that the current query scores best are read too.
 
 Position retrofit: `position_embedding_type="xpos"` keeps the source's rotation (its rope_type's frequencies and
 attention factor, linear, llama3 and yarn included) and adds xPos's scale zeta^((m-n)/B), with B =
@@ -233,6 +235,7 @@ def xpos_scale_base(max_position_embeddings: int) -> float:
 def lex_config_from_hf(
     hf_config: PreTrainedConfig, attention_mode: str | None = None, attention_window: int | None = None,
     attention_sinks: int = 0, attention_sink_positions: str = "cache", position_embedding_type: str = "rope",
+    attention_memory_blocks: int = 0, attention_memory_block_size: int | None = None,
 ) -> LexConfig:
     """The LexConfig of a Llama, Mistral, Qwen2, Qwen3, Phi-3 or SmolLM3 config, or a ConversionError naming
     what it cannot express.
@@ -244,6 +247,8 @@ def lex_config_from_hf(
     a model pretrained with full attention then never sees a sink further than it was trained on ("true" places
     them at their own positions, distances such a model never saw past its training length).
     `position_embedding_type` "xpos" is the xPos retrofit (module docstring), logged as needing fine-tuning.
+    `attention_memory_blocks` k > 0 adds the block memory past the window (blockwise and sliding modes only), in
+    blocks of `attention_memory_block_size` tokens (None: LexConfig's default).
     """
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SOURCE_TYPES:
@@ -271,7 +276,8 @@ def lex_config_from_hf(
         position_embedding_type=position_embedding_type, rope_parameters=rope,
         attention_mode=attention_mode or ("sliding" if window else "full"),
         attention_window=attention_window or window or length + length % 2, attention_sinks=attention_sinks,
-        attention_sink_positions=attention_sink_positions,
+        attention_sink_positions=attention_sink_positions, attention_memory_blocks=attention_memory_blocks,
+        **({} if attention_memory_block_size is None else {"attention_memory_block_size": attention_memory_block_size}),
         norm_type="rmsnorm", rms_norm_eps=hf_config.rms_norm_eps, mlp_type="gated", **source_biases(hf_config),
         **source_family(hf_config),
         normalize_before=True, subln=False, deepnorm=False, layernorm_embedding=False, embedding_scale=1.0,
@@ -350,6 +356,9 @@ def hf_config_from_lex(config: LexConfig) -> PreTrainedConfig:
                      "no HF Llama-family architecture adds absolute positions (allowed: None)")
     if config.attention_sinks and config.attention_mode != "full":
         refuse_field(config, "attention_sinks", "no HF architecture keeps attention sinks in its window (allowed: 0)")
+    if config.attention_memory_blocks and config.attention_mode != "full":
+        refuse_field(config, "attention_memory_blocks", "no HF architecture keeps a block memory past its window "
+                                                        "(allowed: 0)")
     if config.attention_mode == "blockwise":
         refuse_field(config, "attention_mode", "no HF architecture computes blockwise causal attention (allowed: "
                                                "'full' -> Llama or Qwen2, 'sliding' -> Mistral or Qwen2)")
@@ -468,16 +477,18 @@ def check_plan(plan: Plan, expected: dict[str, tuple[int, ...]], source: str) ->
 def lex_from_hf(
     model: PreTrainedModel, attention_mode: str | None = None, attention_window: int | None = None,
     attention_sinks: int = 0, attention_sink_positions: str = "cache", position_embedding_type: str = "rope",
+    attention_memory_blocks: int = 0, attention_memory_block_size: int | None = None,
 ) -> LexForCausalLM:
     """A loaded LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM or
     SmolLM3ForCausalLM as a LexForCausalLM, in memory.
 
     The LEX model shares the source's tensors (the permuted q/k projections and q/k norms excepted; Phi-3's v and
     gate/up are row slices of its fused tensors), on its device and in its dtype, so no second copy of the weights
-    is made: train one of the two, not both.
+    is made: train one of the two, not both. The arguments are `lex_config_from_hf`'s.
     """
     config = lex_config_from_hf(model.config, attention_mode, attention_window, attention_sinks,
-                                attention_sink_positions, position_embedding_type)
+                                attention_sink_positions, position_embedding_type, attention_memory_blocks,
+                                attention_memory_block_size)
     config.dtype = model.dtype
     source = model.state_dict()
     plan = plan_names({name: tuple(tensor.shape) for name, tensor in source.items()}, config, to_lex=True)
@@ -576,13 +587,14 @@ def gguf_tokenizer(path: Path):
 
 def convert_gguf(path: Path, out_dir: Path, attention_mode: str | None, attention_window: int | None,
                  attention_sinks: int, attention_sink_positions: str, position_embedding_type: str,
-                 dtype: str | None, force: bool, max_shard_size: int | str) -> LexConfig:
+                 dtype: str | None, force: bool, max_shard_size: int | str, attention_memory_blocks: int = 0,
+                 attention_memory_block_size: int | None = None) -> LexConfig:
     """A .gguf file -> a LEX folder with its tokenizer: dequantized in memory, converted (`lex_from_hf`), saved."""
     torch_dtype = dtype_named(dtype)
     check_gguf(path)
     with atomic_directory(out_dir, force) as staging:
         lex = lex_from_hf(load_gguf(path), attention_mode, attention_window, attention_sinks, attention_sink_positions,
-                          position_embedding_type)
+                          position_embedding_type, attention_memory_blocks, attention_memory_block_size)
         if torch_dtype is not None:
             lex = lex.to(torch_dtype)
             lex.config.dtype = torch_dtype
@@ -692,6 +704,7 @@ def convert_hf(
     src_dir: str | Path, out_dir: str | Path, attention_mode: str | None = None, attention_window: int | None = None,
     dtype: str | None = None, force: bool = False, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     attention_sinks: int = 0, attention_sink_positions: str = "cache", position_embedding_type: str = "rope",
+    attention_memory_blocks: int = 0, attention_memory_block_size: int | None = None,
 ) -> LexConfig:
     """A Llama, Mistral, Qwen2, Qwen3, Phi-3 or SmolLM3 folder (safetensors) or .gguf file -> a LEX folder;
     returns its LexConfig.
@@ -703,11 +716,13 @@ def convert_hf(
     gguf = gguf_file(src_dir)
     if gguf is not None:
         return convert_gguf(gguf, Path(out_dir), attention_mode, attention_window, attention_sinks,
-                            attention_sink_positions, position_embedding_type, dtype, force, max_shard_size)
+                            attention_sink_positions, position_embedding_type, dtype, force, max_shard_size,
+                            attention_memory_blocks, attention_memory_block_size)
     if src_dir.is_dir() and not (src_dir / "config.json").is_file():
         raise ConversionError(f"{src_dir}: not a model folder (it has no config.json) and holds no .gguf file")
     config = lex_config_from_hf(load_config(src_dir), attention_mode, attention_window, attention_sinks,
-                                attention_sink_positions, position_embedding_type)
+                                attention_sink_positions, position_embedding_type, attention_memory_blocks,
+                                attention_memory_block_size)
     convert_folder(src_dir, Path(out_dir), config, config, LexForCausalLM, True, dtype, force, max_shard_size)
     return config
 

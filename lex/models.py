@@ -6,6 +6,11 @@ Llama, Mistral or Qwen2 checkpoint (as published, or converted in memory to a LE
 mode: convert.hf.lex_from_hf), and any other causal LM (as published only). A Llama, Mistral or Qwen2 checkpoint
 may also be a `.gguf` file, or a folder holding exactly one: model_config, load_model and load_tokenizer read it
 through transformers' GGUF loader (convert.hf.gguf_file), dequantized, with the tokenizer it carries.
+
+Every loader takes the block memory past the window (`attention_memory_blocks` k, `attention_memory_block_size`
+b) as it takes the other attention fields: over a LEX folder's config, or converted in memory for a Llama-family
+checkpoint (k > 0 asks for the conversion). It applies to blockwise and sliding modes; with full attention it is
+refused, naming attention_memory_blocks.
 """
 
 from collections.abc import Iterator
@@ -95,15 +100,18 @@ def attention_modes(config, modes: list[str]) -> tuple[list[str], str | None]:
 def load_model(
     path: str, attention_mode: str | None = None, device: str = "cpu", dtype: Dtype = "float32",
     attention_window: int | None = None, attention_sinks: int | None = None,
-    attention_sink_positions: str | None = None,
+    attention_sink_positions: str | None = None, attention_memory_blocks: int | None = None,
+    attention_memory_block_size: int | None = None,
 ):
     """A causal LM in eval mode on `device`. For a LEX folder the arguments override its config (None: the
     folder's). A Llama, Mistral or Qwen2 folder loads as published unless a windowed mode, a window or sinks
-    are asked for: then it is converted in memory (`convert.hf.lex_from_hf`, no second copy of the weights; its
+    (or a block memory) are asked for: then it is converted in memory (`convert.hf.lex_from_hf`, no second copy of the weights; its
     sinks within the cache unless `attention_sink_positions` says otherwise). Another causal LM loads as
     published and refuses the overrides. A .gguf file loads dequantized to `dtype`."""
     attention = dict(attention_mode=attention_mode, attention_window=attention_window,
-                     attention_sinks=attention_sinks, attention_sink_positions=attention_sink_positions)
+                     attention_sinks=attention_sinks, attention_sink_positions=attention_sink_positions,
+                     attention_memory_blocks=attention_memory_blocks,
+                     attention_memory_block_size=attention_memory_block_size)
     gguf = source_gguf(path)
     if gguf is not None:
         try:
@@ -127,19 +135,27 @@ def load_model(
 
 def with_attention(model, attention_mode: str | None = None, attention_window: int | None = None,
                    attention_sinks: int | None = None, attention_sink_positions: str | None = None,
-                   name: str = "MODEL"):
+                   name: str = "MODEL", attention_memory_blocks: int | None = None,
+                   attention_memory_block_size: int | None = None):
     """A loaded non-LEX causal LM as published (no override, or plain full attention), or a Llama-family one
     converted in memory to a LEX model in `attention_mode` with `attention_window` and `attention_sinks` (seen
-    from `attention_sink_positions`, by default within the cache)."""
-    if attention_mode in (None, "full") and attention_window is None and not attention_sinks:
+    from `attention_sink_positions`, by default within the cache) and a block memory of
+    `attention_memory_blocks` blocks of `attention_memory_block_size` tokens (None: LexConfig's default)."""
+    if attention_memory_blocks and attention_mode == "full":
+        raise DataError(f"{name}: attention_memory_blocks={attention_memory_blocks} with attention_mode 'full': full "
+                        "attention sees every key, a memory of evicted ones has nothing to add (allowed: "
+                        "attention_mode blockwise or sliding, or attention_memory_blocks 0)")
+    if (attention_mode in (None, "full") and attention_window is None and not attention_sinks
+            and not attention_memory_blocks):
         return model
     if model.config.model_type not in SOURCE_TYPES:
         raise DataError(f"{name}: a {model.config.model_type!r} model runs as published; attention_mode, "
-                        f"attention_window and attention_sinks apply to LEX models and to "
+                        f"attention_window, attention_sinks and attention_memory_blocks apply to LEX models and to "
                         f"{', '.join(SOURCE_TYPES)} checkpoints (converted in memory)")
     try:
         return lex_from_hf(model, attention_mode, attention_window, attention_sinks or 0,
-                           attention_sink_positions or "cache").eval()
+                           attention_sink_positions or "cache", attention_memory_blocks=attention_memory_blocks or 0,
+                           attention_memory_block_size=attention_memory_block_size).eval()
     except ConversionError as error:
         raise DataError(f"{name}: {error}") from None
 
@@ -147,7 +163,8 @@ def with_attention(model, attention_mode: str | None = None, attention_window: i
 def load_for_training(
     path: str, attention_mode: str | None = None, attention_window: int | None = None,
     attention_sinks: int | None = None, attention_sink_positions: str | None = None,
-    position_embedding_type: str | None = None,
+    position_embedding_type: str | None = None, attention_memory_blocks: int | None = None,
+    attention_memory_block_size: int | None = None,
 ):
     """The model `lex train` fine-tunes, in float32: a Llama, Mistral or Qwen2 folder or .gguf file always as a LEX
     model, converted in memory as `lex convert-hf` converts it (`convert.hf.lex_from_hf`, the same arguments; its
@@ -161,13 +178,16 @@ def load_for_training(
                             f"{', '.join(SOURCE_TYPES)} checkpoint; --model_name_or_path {path} is a "
                             f"{config.model_type!r} model, which keeps its own positions")
         return load_model(path, attention_mode, attention_window=attention_window, attention_sinks=attention_sinks,
-                          attention_sink_positions=attention_sink_positions)
+                          attention_sink_positions=attention_sink_positions,
+                          attention_memory_blocks=attention_memory_blocks,
+                          attention_memory_block_size=attention_memory_block_size)
     gguf = source_gguf(path, "--model_name_or_path")
     try:
         source = (load_gguf(gguf) if gguf is not None
                   else AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
         return lex_from_hf(source, attention_mode, attention_window, attention_sinks or 0,
-                           attention_sink_positions or "cache", position_embedding_type or "rope")
+                           attention_sink_positions or "cache", position_embedding_type or "rope",
+                           attention_memory_blocks or 0, attention_memory_block_size)
     except ConversionError as error:
         raise DataError(f"--model_name_or_path {path}: {error}") from None
 
@@ -175,27 +195,42 @@ def load_for_training(
 def attention_variants(
     path: str, modes: list[str], sinks: list[int], device: str = "cpu", dtype: Dtype = "float32",
     attention_window: int | None = None, sink_positions: list[str] | None = None,
+    memory_blocks: list[int] | None = None, memory_block_size: int | None = None,
 ) -> Iterator[tuple[dict, torch.nn.Module]]:
     """(labels, model) for each mode of `modes` with each of `sinks` and, where a reading has sinks, each rule of
-    `sink_positions` (None: the model's own); one model alive at a time. The labels are the reading's
-    attention_mode and attention_sinks, and attention_sink_positions where a rule was asked for. Full attention
-    comes once (sinks change nothing there), and a non-LEX, non-Llama-family model in full attention only
-    (`attention_modes` says so). A Llama-family folder (or .gguf file) is read once and converted per reading."""
+    `sink_positions` (None: the model's own), and each of `memory_blocks` (None: the model's own memory, unlabelled)
+    with `memory_block_size` (None: the model's own); one model alive at a time. The labels are the reading's
+    attention_mode and attention_sinks, attention_sink_positions where a rule was asked for, and with
+    `memory_blocks`, attention_memory_blocks (and attention_memory_block_size, the model's, where it is > 0). Full
+    attention comes once (sinks change nothing there; without memory), and a non-LEX, non-Llama-family model in
+    full attention only (`attention_modes` says so). A Llama-family folder (or .gguf file) is read once and
+    converted per reading."""
     config = model_config(path, "MODEL", gguf=True)
     modes, _ = attention_modes(config, modes)
     readings = []
     for mode in modes:
+        memories = [None] if memory_blocks is None else [0] if mode == "full" else memory_blocks
         for s in sinks if mode != "full" else [0]:
             rules = sink_positions if s and sink_positions else [None]
-            readings += [{"attention_mode": mode, "attention_sinks": s} | ({"attention_sink_positions": rule}
-                                                                           if rule else {}) for rule in rules]
+            readings += [{"attention_mode": mode, "attention_sinks": s}
+                         | ({"attention_sink_positions": rule} if rule else {})
+                         | ({"attention_memory_blocks": k} if k is not None else {})
+                         for rule in rules for k in memories]
     source = None if config.model_type == "lex" else load_model(path, None, device, dtype)
     for labels in readings:
-        if source is None:
-            yield labels, load_model(path, device=device, dtype=dtype, attention_window=attention_window, **labels)
+        size = memory_block_size if labels.get("attention_memory_blocks") else None
+        if source is None:  # (full attention: without the folder's memory, if it has one)
+            memory = {"attention_memory_blocks": 0} if labels["attention_mode"] == "full" else {}
+            model = load_model(path, device=device, dtype=dtype, attention_window=attention_window,
+                               attention_memory_block_size=size, **memory | labels)
         else:
             window = None if labels["attention_mode"] == "full" else attention_window
-            yield labels, with_attention(source, attention_window=window, **labels, name=str(path))
+            model = with_attention(source, attention_window=window, **labels, name=str(path),
+                                   attention_memory_block_size=size)
+        memory = getattr(model.config, "attention_memory_blocks", 0)
+        if memory_blocks is not None and memory:
+            labels = {**labels, "attention_memory_block_size": model.config.attention_memory_block_size}
+        yield labels, model
 
 
 def has_tokenizer(folder: str | Path) -> bool:

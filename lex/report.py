@@ -17,11 +17,17 @@ GROUP_LABELS = {"model": "model", "attention_mode": "attention", "protocol": "pr
 
 
 def attention_label(row: dict) -> str:
-    """How a row's attention reads in a table: its mode, with its sinks when it has any ("sliding + 4 sinks"), and
-    their position rule when the row names one ("sliding + 4 sinks (cache positions)")."""
+    """How a row's attention reads in a table: its mode, with its sinks when it has any ("sliding + 4 sinks"),
+    their position rule when the row names one ("sliding + 4 sinks (cache positions)"), and its block memory when
+    it has one ("sliding + 4 sinks (cache positions) + memory 16x64": 16 blocks of 64 tokens)."""
     mode, sinks = row.get("attention_mode", ""), row.get("attention_sinks", 0)
     rule = row.get("attention_sink_positions")
-    return f"{mode} + {sinks} sinks" + (f" ({rule} positions)" if rule else "") if sinks else mode
+    label = f"{mode} + {sinks} sinks" + (f" ({rule} positions)" if rule else "") if sinks else mode
+    memory = row.get("attention_memory_blocks")
+    if memory:
+        size = row.get("attention_memory_block_size")
+        label += f" + memory {memory}" + (f"x{size}" if size else "")
+    return label
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:

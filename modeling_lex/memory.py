@@ -94,6 +94,8 @@ class BlockMemory:
         if self.keys is None:
             return 0
         per_token = 2 * self.keys[:, :, :1].nbytes
+        if self.representatives is None:  # no complete block yet
+            return self.length * per_token
         return self.length * per_token + self.blocks * self.representatives[:, :, :1].nbytes
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:

@@ -36,6 +36,7 @@ from configuration_lex import LexConfig
 from convert.checkpoint import ConversionError
 from convert.hf import convert_hf, convert_to_hf, lex_config_from_hf, lex_from_hf
 from lex.cli import main as lex
+from modeling_lex import LexForCausalLM
 from tests import reference
 from tests.helpers import perturb, perturbed_model, word_tokenizer
 
@@ -225,6 +226,72 @@ def test_sink_position_rule_by_flag(llama_folder, tmp_path):
     assert rules == ["cache", "true", "cache"]
 
 
+def test_memory_fields_by_flag(llama_folder, tmp_path, capsys):
+    """--attention_memory_blocks / --attention_memory_block_size land in the folder's config (the size defaults to
+    LexConfig's); the folder loads with them and reads past its window with the memory."""
+    out = tmp_path / "memory"
+    assert lex(["convert-hf", str(llama_folder), str(out), "--attention_mode", "sliding", "--attention_window", "8",
+                "--attention_sinks", "4", "--attention_memory_blocks", "2", "--attention-memory-block-size", "4"]) == 0
+    assert "a memory of 2 blocks of 4 tokens" in capsys.readouterr().out
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["attention_memory_blocks"], saved["attention_memory_block_size"]) == (2, 4)
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert (model.config.attention_memory_blocks, model.config.attention_memory_block_size) == (2, 4)
+    assert torch.isfinite(logits(model, ids(1, LONG))).all()
+    default = tmp_path / "default"
+    assert lex(["convert-hf", str(llama_folder), str(default), "--attention_mode", "blockwise", "--attention_window",
+                "8", "--attention_memory_blocks", "3"]) == 0
+    config = LexConfig.from_pretrained(default)
+    assert (config.attention_memory_blocks, config.attention_memory_block_size) == (
+        3, LexConfig().attention_memory_block_size)
+    assert LexConfig.from_pretrained(tmp_path / "memory").attention_memory_blocks == 2
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_llama3_untied", "mistral_mqa_window"])
+def test_lex_from_hf_memory_keyword_equals_the_config_fields(name):
+    """lex_from_hf(..., attention_memory_blocks=2, attention_memory_block_size=4) computes what the converted model
+    with those fields set on its config computes, and the memory is read (it differs from the model without)."""
+    source = source_model(name)
+    model = lex_from_hf(source, "sliding", 8, attention_memory_blocks=2, attention_memory_block_size=4)
+    assert (model.config.attention_memory_blocks, model.config.attention_memory_block_size) == (2, 4)
+    config = lex_config_from_hf(source.config, "sliding", 8)
+    config.attention_memory_blocks, config.attention_memory_block_size = 2, 4
+    by_fields = LexForCausalLM(config).eval()
+    by_fields.load_state_dict(model.state_dict())
+    tokens = ids(2, LONG)
+    expected = logits(by_fields, tokens)
+    torch.testing.assert_close(logits(model, tokens), expected, atol=0, rtol=0)
+    assert (logits(lex_from_hf(source, "sliding", 8), tokens) - expected).abs().max() > 1e-3
+    assert lex_from_hf(source, "sliding", 8, attention_memory_blocks=2).config.attention_memory_block_size == \
+        LexConfig().attention_memory_block_size
+
+
+def test_a_gguf_converts_with_a_block_memory(tmp_path):
+    """`lex convert-hf TINY.gguf OUT ... --attention_memory_blocks 2 --attention_memory_block_size 4`: the fields in
+    the folder's config, and the folder computes what lex_from_hf with the same keywords makes of the Llama."""
+    pytest.importorskip("gguf")
+    from lex.data import kjv_books, train_tokenizer
+    from tests.helpers import llama_gguf
+
+    tokenizer = train_tokenizer([kjv_books()[0]["text"][:20000]], 300)
+    config = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    source = perturb(LlamaForCausalLM(config), 0)
+    llama_gguf(tmp_path / "tiny.gguf", source, tokenizer)
+    out = tmp_path / "lex"
+    assert lex(["convert-hf", str(tmp_path / "tiny.gguf"), str(out), "--attention_mode", "sliding",
+                "--attention_window", "8", "--attention_memory_blocks", "2", "--attention_memory_block_size", "4"]) == 0
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["attention_memory_blocks"], saved["attention_memory_block_size"]) == (2, 4)
+    tokens = torch.randint(1, 300, (1, LONG), generator=torch.Generator().manual_seed(0))
+    expected = logits(lex_from_hf(source, "sliding", 8, attention_memory_blocks=2, attention_memory_block_size=4),
+                      tokens)
+    torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(out).eval(), tokens), expected,
+                               atol=1e-4, rtol=0)
+
+
 def test_existing_output_is_refused_without_force(llama_folder, tmp_path, capsys):
     out = tmp_path / "lex"
     out.mkdir()
@@ -244,6 +311,11 @@ def test_existing_output_is_refused_without_force(llama_folder, tmp_path, capsys
     (["--attention_mode", "sliding", "--attention_window", "7"], "attention_window=7"),
     (["--dtype", "float8"], "invalid choice: 'float8'"),
     (["--unknown"], "unrecognized arguments: --unknown"),
+    (["--attention_mode", "sliding", "--attention_memory_blocks", "-1"], "--attention_memory_blocks must be >= 0"),
+    (["--attention_mode", "sliding", "--attention-memory-block-size", "0"], "--attention-memory-block-size: 0 must be"),
+    (["--attention_memory_blocks", "2"], "attention_memory_blocks=2 with attention_mode='full'"),
+    (["--attention_mode", "sliding", "--attention_sinks", "4", "--attention_sink_positions", "true",
+      "--attention_memory_blocks", "2"], "(allowed: 'cache')"),
 ])
 def test_bad_command_lines_exit_2_with_one_line(llama_folder, tmp_path, capsys, args, message):
     out = tmp_path / "lex"
@@ -417,6 +489,7 @@ def test_converted_folder_loads_without_this_package(tmp_path):
     (dict(attention_output_bias=True), "attention_output_bias"),
     (dict(attention_mode="sliding", attention_bias=True), "attention_output_bias"),
     (dict(attention_mode="sliding", mlp_bias=True), "mlp_bias"),
+    (dict(attention_mode="sliding", attention_memory_blocks=2), "attention_memory_blocks"),
     (dict(attention_bias=True, attention_output_bias=False, mlp_bias=True), "mlp_bias"),
 ], ids=lambda value: value if isinstance(value, str) else "-".join(f"{k}={v}" for k, v in value.items()))
 def test_what_no_hf_architecture_computes_is_refused_before_writing(fields, field, tmp_path, capsys):

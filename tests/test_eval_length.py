@@ -410,3 +410,87 @@ def test_a_model_loaded_through_remote_code_is_streamed(folder, tmp_path):
     document = torch.randint(0, ours.config.vocab_size, (200,), generator=torch.Generator().manual_seed(3))
     scores = [perplexity.perplexity_by_length(m, [document], [200], "strided")[200].nll for m in (remote, ours)]
     assert scores[0] == pytest.approx(scores[1], rel=1e-6)
+
+
+# ---------------------------------------------------------------- the block memory past the window (issue 40)
+
+
+@pytest.mark.parametrize("mode", ["blockwise", "sliding"])
+def test_streamed_evaluation_with_a_block_memory_reads_w_tokens_a_forward(mode):
+    """With attention_memory_blocks > 0 the evaluator reads each window through a LexCache in forwards of at most
+    w tokens (the model refuses longer ones with memory), and scores what the model's own long forward gives (it
+    reads w tokens at a time too); the memory changes the scores past the window."""
+    torch.manual_seed(0)
+    config = LexConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                       max_position_embeddings=16, attention_mode=mode, attention_memory_blocks=2,
+                       attention_memory_block_size=4)
+    model = perturb(LexForCausalLM(config), seed=0).eval()
+    lengths_read = []
+    model.model.register_forward_pre_hook(lambda module, args, kwargs: lengths_read.append(kwargs["input_ids"].shape[1]),
+                                          with_kwargs=True)
+    generator = torch.Generator().manual_seed(1)
+    documents = [torch.randint(0, 300, (100,), generator=generator) for _ in range(2)]
+    scores = perplexity.perplexity_by_length(model, documents, [16, 100], "segments", batch_size=2)
+    assert lengths_read and max(lengths_read) <= 16
+    for length in (16, 100):
+        nll, count = full_logits_nll(model, documents, length, "segments")
+        assert scores[length].tokens == count
+        assert scores[length].nll == pytest.approx(nll, rel=1e-5), length
+    config.attention_memory_blocks = 0
+    plain = LexForCausalLM(config).eval()
+    plain.load_state_dict(model.state_dict())
+    without = perplexity.perplexity_by_length(plain, documents, [100], "segments", batch_size=2)
+    assert without[100].nll != pytest.approx(scores[100].nll, rel=1e-4)
+
+
+def test_eval_length_labels_rows_with_the_block_memory(llama_folder, texts, tmp_path, capsys):
+    """--attention_memory_blocks 0,2 --attention_memory_block_size 4: one row per value for sliding and blockwise,
+    full attention with 0 only, each labelled in results.json, results.csv and the printed tables."""
+    out = tmp_path / "eval"
+    assert lex(["eval-length", str(llama_folder), "--files", documents_glob(tmp_path / "docs", texts), "--lengths",
+                "8,48", "--attention_modes", "full,sliding,blockwise", "--attention_window", "8",
+                "--attention_memory_blocks", "0,2", "--attention_memory_block_size", "4", "--protocols", "strided",
+                "--output_dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| sliding + memory 2x4 |" in printed and "| blockwise |" in printed and "| full |" in printed
+    rows = json.loads((out / "results.json").read_text())
+    readings = {(r["attention_mode"], r["attention_memory_blocks"], r.get("attention_memory_block_size")) for r in rows}
+    assert readings == {("full", 0, None), ("sliding", 0, None), ("sliding", 2, 4), ("blockwise", 0, None),
+                        ("blockwise", 2, 4)}
+    header = (out / "results.csv").read_text().splitlines()[0].split(",")
+    assert "attention_memory_blocks" in header and "attention_memory_block_size" in header
+    at_48 = {(r["attention_mode"], r["attention_memory_blocks"]): r["ppl"] for r in rows if r["length"] == 48}
+    assert at_48["sliding", 2] != pytest.approx(at_48["sliding", 0], rel=1e-6)  # the memory is read past w
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--attention_modes", "full", "--attention_memory_blocks", "16"], "--attention_memory_blocks 16 with "
+                                                                       "--attention_modes full"),
+    (["--attention_modes", "full,sliding", "--attention-memory-blocks", "0,-2"], "-2 must be >= 0"),
+    (["--attention_memory_block_size", "8"], "give --attention_memory_blocks"),
+])
+def test_eval_length_refuses_a_memory_it_cannot_read_by_name(folder, tmp_path, capsys, args, message):
+    assert lex(["eval-length", str(folder), "--output_dir", str(tmp_path / "out"), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("lex eval-length: ") and message in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_load_model_takes_the_block_memory_over_a_lex_folder(folder, llama_folder):
+    """A LEX folder: the fields over its config; with full attention refused by name. A Llama folder: converted
+    in memory when memory is asked for, refused by name in full attention."""
+    from lex.data import DataError
+    from lex.models import load_model
+
+    model = load_model(str(folder), "sliding", attention_memory_blocks=3, attention_memory_block_size=8)
+    assert (model.config.attention_memory_blocks, model.config.attention_memory_block_size) == (3, 8)
+    assert load_model(str(folder), "sliding").config.attention_memory_blocks == 0
+    with pytest.raises(DataError, match="attention_memory_blocks=3 with attention_mode='full'"):
+        load_model(str(folder), "full", attention_memory_blocks=3)
+    converted = load_model(str(llama_folder), "blockwise", attention_window=8, attention_memory_blocks=2)
+    assert converted.config.model_type == "lex" and converted.config.attention_memory_blocks == 2
+    assert converted.config.attention_memory_block_size == LexConfig().attention_memory_block_size
+    with pytest.raises(DataError, match="attention_memory_blocks=2 with attention_mode 'full'"):
+        load_model(str(llama_folder), "full", attention_memory_blocks=2)
+    with pytest.raises(DataError, match="attention_memory_blocks=2 with attention_mode='full'"):
+        load_model(str(llama_folder), attention_memory_blocks=2)

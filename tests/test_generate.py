@@ -551,3 +551,60 @@ def test_cli_continues_a_llama_folder_through_a_window_with_sinks(tmp_path, caps
     as_published = source.generate(ids, max_new_tokens=3, do_sample=False, attention_mask=torch.ones_like(ids))
     assert captured.out.split() == tokenizer.decode(as_published[0, ids.shape[1] :]).split()
     assert "llama as published" in captured.err and f"the cache holds {ids.shape[1] + 2} positions" in captured.err
+
+
+def test_cli_generates_with_a_block_memory_in_ram_and_on_disk(tmp_path, capsys):
+    """`lex generate LLAMA --attention_mode sliding --attention_window 8 --attention_sinks 4
+    --attention_memory_blocks 2 --attention_memory_block_size 4`: the prompt but its last token is read through a
+    LexCache 8 tokens a forward under a bar that shows the store's size, then generate() continues from that cache:
+    the continuation is what the converted model gives so; with --memory_directory the store is memory-mapped there
+    and the output is the same."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from convert.hf import lex_from_hf
+    from lex.cli import main as lex
+
+    tokenizer, words = word_tokenizer()
+    torch.manual_seed(0)
+    source = perturb(LlamaForCausalLM(LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16, pad_token_id=0, eos_token_id=None, bos_token_id=None)),
+        seed=0).eval()
+    source.save_pretrained(tmp_path / "llama")
+    tokenizer.save_pretrained(tmp_path / "llama")
+    text = " ".join(words[(7 * i) % 96] for i in range(40))
+    (tmp_path / "prompt.txt").write_text(text)
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    model = lex_from_hf(source, "sliding", 8, 4, attention_memory_blocks=2, attention_memory_block_size=4).eval()
+    cache = LexCache(model.config)
+    with torch.no_grad():
+        for start in range(0, ids.shape[1] - 1, 8):
+            model.model(input_ids=ids[:, start : min(start + 8, ids.shape[1] - 1)], cache=cache, use_cache=True)
+    assert cache.memory_bytes > 0
+    expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                              pad_token_id=0, **{CACHE_NAME: cache})
+    flags = ["--max_new_tokens", "8", "--attention_mode", "sliding", "--attention_window", "8", "--attention_sinks",
+             "4", "--attention_memory_blocks", "2", "--attention_memory_block_size", "4"]
+    command = ["generate", str(tmp_path / "llama"), "--prompt_file", str(tmp_path / "prompt.txt"), *flags]
+    assert lex(command) == 0
+    in_ram = capsys.readouterr()
+    assert in_ram.out.split() == tokenizer.decode(expected[0, ids.shape[1] :]).split()
+    assert "a memory of 2 blocks of 4 tokens" in in_ram.err
+    assert "prompt" in in_ram.err and f"memory {cache.memory_bytes / 1e6:.1f} MB" in in_ram.err  # the bar's postfix
+    assert "the block memory holds" in in_ram.err
+    (tmp_path / "store").mkdir()
+    assert lex([*command, "--memory_directory", str(tmp_path / "store"), "--no_progress"]) == 0
+    on_disk = capsys.readouterr()
+    assert on_disk.out == in_ram.out and f"in {tmp_path / 'store'}" in on_disk.err
+    assert list((tmp_path / "store").iterdir()) == []  # (the files are unlinked at once)
+    for extra, message in ((["--memory_directory", str(tmp_path / "none")], "no such folder"),
+                           (["--attention_memory_blocks", "-1"], "--attention_memory_blocks must be >= 0")):
+        assert lex([*command, *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+    assert lex(["generate", str(tmp_path / "llama"), "--prompt_file", str(tmp_path / "prompt.txt"),
+                "--attention_mode", "full", "--attention_memory_blocks", "2"]) == 2
+    assert "attention_memory_blocks=2 with attention_mode 'full'" in capsys.readouterr().err
+    assert lex(["generate", str(tmp_path / "llama"), "--prompt_file", str(tmp_path / "prompt.txt"),
+                "--attention_mode", "sliding", "--memory_directory", str(tmp_path / "store")]) == 2
+    assert "--memory_directory" in capsys.readouterr().err

@@ -151,6 +151,19 @@ def test_memory_mapped_store(tmp_path):
     assert on_disk.memory_bytes == config.num_hidden_layers * (evicted * per_token + representatives)
 
 
+def test_store_size_before_its_first_complete_block():
+    """`memory_bytes` counts the evicted tokens' keys and values while no block is complete (no representatives
+    yet): what `lex generate`'s progress bar shows after its first forwards."""
+    config = memory_config(attention_mode="sliding", attention_memory_block_size=64)
+    model = perturbed_model(config, seed=3)
+    cache = LexCache(config)
+    read(model, prompt(1, W + 4, seed=3), [W, 4], cache)
+    evicted = cache.seen - cache.held
+    assert 0 < evicted < 64
+    per_token = 2 * config.num_key_value_heads * config.head_dim * 4  # keys and values, float32
+    assert cache.memory_bytes == config.num_hidden_layers * evicted * per_token
+
+
 def test_refusals():
     """Full mode, sinks at true positions, the static cache and assisted decoding refuse the memory by name."""
     with pytest.raises(StrictDataclassClassValidationError, match="attention_memory_blocks=2 with attention_mode='full'"):

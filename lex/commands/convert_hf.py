@@ -22,6 +22,11 @@ def convert_hf_parser() -> LexArgumentParser:
     parser.add_argument("--attention_sink_positions", choices=SINK_POSITIONS, default="cache",
                         help="where a query sees its sinks from: within the cache (StreamingLLM's rule, the "
                              "default) or at their true positions")
+    parser.add_argument("--attention_memory_blocks", type=int, default=0,
+                        help="k: a block memory past the window in blockwise and sliding modes, the k best of the "
+                             "evicted blocks read by every query chunk and decoded token (default 0: none)")
+    parser.add_argument("--attention_memory_block_size", type=positive_int,
+                        help="tokens per memory block (default: LexConfig's, 64)")
     parser.add_argument("--position_embedding_type", choices=hf.RETROFITS, default="rope",
                         help="rope (the source's) or xpos: the same rotation plus xPos's scale, "
                              "xpos_scale_base = max_position_embeddings / 2 (needs fine-tuning)")
@@ -35,15 +40,22 @@ def main_convert_hf(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.attention_sinks < 0:
         parser.error(f"{parser.flag('attention_sinks')} must be >= 0, got {args.attention_sinks}")
+    if args.attention_memory_blocks < 0:
+        parser.error(f"{parser.flag('attention_memory_blocks')} must be >= 0 (0: no memory), got "
+                     f"{args.attention_memory_blocks}")
     config = hf.convert_hf(args.src, args.out, args.attention_mode, args.attention_window, args.dtype, args.force,
                            attention_sinks=args.attention_sinks,
                            attention_sink_positions=args.attention_sink_positions,
-                           position_embedding_type=args.position_embedding_type)
+                           position_embedding_type=args.position_embedding_type,
+                           attention_memory_blocks=args.attention_memory_blocks,
+                           attention_memory_block_size=args.attention_memory_block_size)
+    memory = (f", a memory of {config.attention_memory_blocks} blocks of {config.attention_memory_block_size} tokens"
+              if config.attention_memory_blocks else "")
     print(f"{args.src} -> {args.out}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
           f"{config.num_attention_heads} heads / {config.num_key_value_heads} key-value heads, "
           f"{config.position_embedding_type} (rope_type {config.rope_parameters['rope_type']}), "
           f"{config.attention_mode} attention (window {config.attention_window}, {config.attention_sinks} sinks at "
-          f"{config.attention_sink_positions} positions)")
+          f"{config.attention_sink_positions} positions{memory})")
     return 0
 
 

@@ -1,10 +1,12 @@
 """`lex eval-length MODEL... --files GLOB --lengths 256,512 --attention_modes full,blockwise --attention_sinks 0,4
-[--attention_sink_positions cache,true] --output_dir DIR`
+[--attention_sink_positions cache,true] [--attention_memory_blocks 0,16 [--attention_memory_block_size B]]
+--output_dir DIR`
 
 Perplexity by evaluation length (lex.perplexity: the paper's "segments" protocol and a "strided" one) for LEX
 folders and Llama, Mistral, Qwen2, Qwen3, Phi-3 or SmolLM3 folders or .gguf files (full attention as published;
 the other modes converted in memory) in every attention mode with each number of attention sinks (and each sink
-position rule asked for), and for any other causal LM as published. Prints the tables and writes results.csv,
+position rule asked for, and each number of block-memory blocks asked for: blockwise and sliding readings only,
+rows labelled attention_memory_blocks and attention_memory_block_size), and for any other causal LM as published. Prints the tables and writes results.csv,
 results.json and ppl_vs_length.png; with --resolution the attention resolution per layer (resolution.json,
 resolution.png), with --passkey the passkey probe for every mode (passkey.json).
 """
@@ -46,6 +48,13 @@ def build_parser() -> LexArgumentParser:
                         help="comma-separated rules for readings with sinks: where a query sees its sinks from, "
                              f"{' or '.join(SINK_POSITIONS)} (default: each model's own; a converted checkpoint's: "
                              "cache)")
+    parser.add_argument("--attention_memory_blocks", type=non_negative_ints,
+                        help="comma-separated numbers of block-memory blocks k for blockwise and sliding modes, e.g. "
+                             "0,16 (rows labelled attention_memory_blocks; full attention rows with 0 only); "
+                             "default: each model's own, unlabelled")
+    parser.add_argument("--attention_memory_block_size", type=positive_int,
+                        help="tokens per memory block of the readings with memory (default: each model's own; a "
+                             "converted checkpoint's: LexConfig's, 64)")
     parser.add_argument("--attention_window", type=positive_int,
                         help="the window of blockwise and sliding modes (default: the model's; a converted "
                              "checkpoint's, its training length)")
@@ -69,6 +78,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.document_tokens is not None and args.document_tokens < max(args.lengths):
         parser.error(f"{parser.flag('document_tokens')} {args.document_tokens} is shorter than the longest of "
                      f"{parser.flag('lengths')}, {max(args.lengths)}")
+    memory = args.attention_memory_blocks
+    if args.attention_memory_block_size is not None and not any(memory or ()):
+        parser.error(f"{parser.flag('attention_memory_block_size')} {args.attention_memory_block_size} sizes the "
+                     f"block memory: give {parser.flag('attention_memory_blocks')} with a value > 0 too")
+    if any(memory or ()) and set(args.attention_modes) == {"full"}:
+        parser.error(f"{parser.flag('attention_memory_blocks')} {','.join(map(str, memory))} with "
+                     f"{parser.flag('attention_modes')} full: full attention sees every key, a memory of evicted ones "
+                     "has nothing to add (allowed: blockwise or sliding modes, or attention_memory_blocks 0)")
     if args.output_dir.exists() and not args.output_dir.is_dir():
         parser.error(f"{parser.flag('output_dir')} {args.output_dir}: a file, not a folder")
     return args
@@ -84,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                             f"{'/'.join(SOURCE_TYPES)} one's); {path} holds a {config.model_type!r} model")
         _, notes[path] = attention_modes(config, list(args.attention_modes))
     texts = evaluation_texts(args.files)
+    memory = args.attention_memory_blocks
     rows, resolution, curves, passkey = [], [], {}, []
     for path in args.model:
         name, tokenizer = Path(path).name, load_tokenizer(path)
@@ -92,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         documents = tokenized_documents(tokenizer, texts)
         for labels, model in attention_variants(path, list(args.attention_modes), list(args.attention_sinks),
                                                 args.device, attention_window=args.attention_window,
-                                                sink_positions=args.attention_sink_positions):
+                                                sink_positions=args.attention_sink_positions,
+                                                memory_blocks=None if memory is None else list(memory),
+                                                memory_block_size=args.attention_memory_block_size):
             for _, scored in score_rows(model, documents, args.lengths, args.protocols, args.batch_size, True,
                                         {"model": name, **labels}, args.document_tokens):
                 rows += scored

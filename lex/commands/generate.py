@@ -5,7 +5,12 @@ stdout. In blockwise and sliding modes memory stays O(window + sinks) however lo
 folder, or a Llama, Mistral, Qwen2, Qwen3, Phi-3 or SmolLM3 folder or .gguf file (dequantized, with its
 tokenizer): as published by default (its own cache, which grows with the document), converted in memory to a LEX
 model by --attention_mode /
---attention_window / --attention_sinks (/ --attention_sink_positions).
+--attention_window / --attention_sinks (/ --attention_sink_positions) / --attention_memory_blocks.
+
+With a block memory past the window (--attention_memory_blocks K > 0, blocks of --attention_memory_block_size
+tokens; blockwise and sliding modes), the evicted keys and values are kept and the K best blocks are read by
+every prompt chunk and decoded token: the prompt is read w tokens at a time, the bar showing the store's size,
+which grows with the prompt (in RAM, or memory-mapped in --memory_directory).
 """
 
 import argparse
@@ -24,6 +29,7 @@ from convert.hf import SOURCE_TYPES
 from lex.commands import LexArgumentParser, positive_int
 from lex.data import DataError, check_text_file
 from lex.models import DTYPES, load_model, load_tokenizer, model_config
+from modeling_lex import LexCache
 from modeling_lex.generation import CACHE_NAME
 
 
@@ -47,6 +53,13 @@ def build_parser() -> LexArgumentParser:
     parser.add_argument("--attention_sink_positions", choices=SINK_POSITIONS,
                         help="where a query sees its sinks from: within the cache (a converted checkpoint's default)"
                              " or at their true positions")
+    parser.add_argument("--attention_memory_blocks", type=int,
+                        help="K: a block memory past the window (blockwise and sliding modes): the K best blocks of "
+                             "the evicted keys are read too (0: none; default: the model's own)")
+    parser.add_argument("--attention_memory_block_size", type=positive_int,
+                        help="tokens per memory block (default: the model's own; a converted checkpoint's, 64)")
+    parser.add_argument("--memory_directory", type=Path,
+                        help="keep the block memory in memory-mapped files in this folder instead of RAM")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--no_progress", action="store_true", help="no progress bar while reading the prompt")
@@ -62,6 +75,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"{parser.flag('temperature')} must be > 0, got {args.temperature}")
     if args.attention_sinks is not None and args.attention_sinks < 0:
         parser.error(f"{parser.flag('attention_sinks')} must be >= 0, got {args.attention_sinks}")
+    if args.attention_memory_blocks is not None and args.attention_memory_blocks < 0:
+        parser.error(f"{parser.flag('attention_memory_blocks')} must be >= 0 (0: no memory), got "
+                     f"{args.attention_memory_blocks}")
+    if args.memory_directory is not None and not args.memory_directory.is_dir():
+        parser.error(f"{parser.flag('memory_directory')} {args.memory_directory}: no such folder")
     if args.top_k < 0:
         parser.error(f"{parser.flag('top_k')} must be >= 0, got {args.top_k}")
     if not 0 < args.top_p <= 1:
@@ -100,11 +118,28 @@ def prompt_progress(model, length: int, enabled: bool) -> Iterator[None]:
         bar.close()
 
 
+@torch.no_grad()
+def read_into_memory(model, input_ids: torch.Tensor, memory_directory: Path | None, enabled: bool) -> LexCache:
+    """A LexCache (its block memory in RAM, or memory-mapped in `memory_directory`) that has read all but the last
+    token of `input_ids`, w tokens a forward, under a bar whose postfix is the store's size."""
+    config = model.config
+    cache = LexCache(config, None if memory_directory is None else str(memory_directory))
+    length, window = input_ids.shape[1] - 1, config.attention_window
+    with tqdm(total=length, desc="prompt", unit="tok", disable=not enabled, file=sys.stderr) as bar:
+        for start in range(0, length, window):
+            stop = min(start + window, length)
+            model.model(input_ids=input_ids[:, start:stop], cache=cache, use_cache=True)
+            bar.set_postfix_str(f"memory {cache.memory_bytes / 1e6:.1f} MB", refresh=False)
+            bar.update(stop - start)
+    return cache
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     model = load_model(args.model, args.attention_mode, args.device, args.dtype, args.attention_window,
-                       args.attention_sinks, args.attention_sink_positions)
+                       args.attention_sinks, args.attention_sink_positions, args.attention_memory_blocks,
+                       args.attention_memory_block_size)
     tokenizer = load_tokenizer(args.model)
     input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(args.device)
     if input_ids.shape[1] == 0:
@@ -113,17 +148,29 @@ def main(argv: list[str] | None = None) -> int:
     if config.model_type == "lex":
         sinks = (f", {config.attention_sinks} attention sinks at {config.attention_sink_positions} positions"
                  if config.attention_mode != "full" and config.attention_sinks else "")
-        reading = f"{config.attention_mode} attention, window {config.attention_window}{sinks}"
+        memory = (f", a memory of {config.attention_memory_blocks} blocks of {config.attention_memory_block_size} "
+                  f"tokens" if config.attention_memory_blocks else "")
+        reading = f"{config.attention_mode} attention, window {config.attention_window}{sinks}{memory}"
     else:
         reading = (f"{config.model_type} as published (its cache grows with the document; --attention_mode "
                    "sliding or blockwise bounds it)")
     print(f"prompt: {input_ids.shape[1]} tokens; {reading}; training length {config.max_position_embeddings}",
           file=sys.stderr)
+    memory = config.model_type == "lex" and bool(config.attention_memory_blocks)
+    if args.memory_directory is not None and not memory:
+        raise DataError(f"--memory_directory {args.memory_directory}: the model has no block memory to keep there "
+                        "(give --attention_memory_blocks K > 0 with --attention_mode blockwise or sliding)")
     long_prompt = config.model_type == "lex" and input_ids.shape[1] >= 2 * config.attention_window  # read by windows
     start = time.perf_counter()
+    cache = {}
+    if memory:  # the prompt read here (all but its last token), the store's size shown once it passes the window
+        enabled = input_ids.shape[1] > config.attention_window and not args.no_progress
+        cache = {CACHE_NAME: read_into_memory(model, input_ids, args.memory_directory, enabled)}
+        long_prompt = False
     with prompt_progress(model, input_ids.shape[1], enabled=long_prompt and not args.no_progress):
         output = model.generate(
             input_ids,
+            **cache,  # (generate feeds it only the tokens it has not seen: the prompt's last)
             attention_mask=torch.ones_like(input_ids),  # the prompt has no padding, even if it holds the pad token
             return_dict_in_generate=True,  # for the cache generate() made: LexCache for a LEX model
             max_new_tokens=args.max_new_tokens,
@@ -136,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     seconds = time.perf_counter() - start
     new = output.sequences.shape[1] - input_ids.shape[1]
+    held = getattr(output, CACHE_NAME)
+    store = (f"; the block memory holds {held.memory_bytes / 1e6:.1f} MB"
+             + (f" in {args.memory_directory}" if args.memory_directory is not None else "")) if memory else ""
     print(f"read the prompt and generated {new} tokens in {seconds:.1f} s; the cache holds "
-          f"{getattr(output, CACHE_NAME).layers[0].keys.shape[2]} positions per layer", file=sys.stderr)
+          f"{held.layers[0].keys.shape[2]} positions per layer{store}", file=sys.stderr)
     return 0
