@@ -1,12 +1,14 @@
-"""Qwen3, Phi-3 and SmolLM3 checkpoints <-> LEX models (convert/hf.py): Qwen3's per-head q/k norms (`qk_norm`),
-Phi-3's fused qkv_proj and gate_up_proj (split on the way in, fused on the way out), SmolLM3's layers without
-rotary (`rope_layers`).
+"""Qwen3, Phi-3, SmolLM3, Gemma 2 and Gemma 3 checkpoints <-> LEX models (convert/hf.py): Qwen3's per-head q/k norms
+(`qk_norm`), Phi-3's fused qkv_proj and gate_up_proj (split on the way in, fused on the way out), SmolLM3's layers
+without rotary (`rope_layers`), Gemma's norms, embeddings, soft-capping and local layers (`local_layers`: their own
+sliding window and rope beside global layers that take the LEX mode).
 
 References are transformers' own classes, tiny and with every parameter perturbed: a converted model computes what
 its source computes (full mode, past the source's max_position_embeddings), and in blockwise and sliding modes
 what the source computes under an explicit window mask, or with its sinks re-rotated to their places in the
-cache (tests/reference.py). A Qwen3 and a Phi-3 `.gguf` written here with the gguf package's writer convert as
-transformers' GGUF loader reads them, and `lex eval-length` reads a Qwen3 folder in full and sliding modes with and
+cache (tests/reference.py); Gemma's local layers keep their own window in both. A Qwen3, a Phi-3, a Gemma 2 and a
+Gemma 3 `.gguf` written here with the gguf package's writer convert as
+transformers' GGUF loader reads them, and `lex eval-length` reads a Qwen3 and a Gemma 3 folder in full and sliding modes with and
 without sinks; `lex generate` continues a SmolLM3 folder through a window with sinks, and `lex export` of a converted
 folder loads by remote code without this package. Everything runs in float32 on the CPU and nothing is downloaded.
 """
@@ -22,6 +24,10 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen3Config,
@@ -60,8 +66,31 @@ SOURCES = {  # name -> (config class, model class, fields on top of SIZES)
     "smollm3_biases_untied": (SmolLM3Config, SmolLM3ForCausalLM,
                               dict(num_hidden_layers=3, no_rope_layers=[0, 1, 1], attention_bias=True, mlp_bias=True,
                                    tie_word_embeddings=False)),
+    # Gemma 2: local and global layers alternating (local window 6, under the LEX window of the windowed tests),
+    # attention scores and logits soft-capped (caps small enough to bite at these logits' size).
+    "gemma2_gqa_tied": (Gemma2Config, Gemma2ForCausalLM,
+                        dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+                             sliding_window=6, attn_logit_softcapping=3.0, final_logit_softcapping=4.0,
+                             tie_word_embeddings=True)),
+    "gemma2_biases_untied": (Gemma2Config, Gemma2ForCausalLM,
+                             dict(num_hidden_layers=2, num_key_value_heads=1, head_dim=16, attention_bias=True,
+                                  sliding_window=8, final_logit_softcapping=None, tie_word_embeddings=False)),
+    # Gemma 3: 3 local layers (window 12, over the LEX window of the windowed tests, rope theta 1e4) around a global
+    # one (linear-scaled rope theta 1e6), q/k norms.
+    "gemma3_local_global_gqa_untied": (
+        Gemma3TextConfig, Gemma3ForCausalLM,
+        dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=12,
+             layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+             rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+             tie_word_embeddings=False)),
+    "gemma3_mqa_tied_capped": (Gemma3TextConfig, Gemma3ForCausalLM,
+                               dict(num_hidden_layers=2, num_key_value_heads=1, sliding_window=4,
+                                    final_logit_softcapping=4.0, tie_word_embeddings=True)),
 }
-WINDOWED = ["qwen3_gqa_untied", "phi3_gqa_untied", "smollm3_no_rope_gqa_tied"]
+WINDOWED = ["qwen3_gqa_untied", "phi3_gqa_untied", "smollm3_no_rope_gqa_tied", "gemma2_gqa_tied",
+            "gemma3_local_global_gqa_untied"]
+GEMMA = ("gemma2", "gemma3_text")
 
 
 def source_model(name: str, seed: int = 0, **overrides):
@@ -103,6 +132,16 @@ def window_mask(mode: str, length: int, window: int) -> torch.Tensor:
     return torch.zeros(length, length).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
 
 
+def source_window_mask(source, mode: str, length: int, window: int):
+    """The explicit window mask of `source` in `mode`: one (2, 1, n, n) mask, or for Gemma one per layer type (its
+    model takes a mapping), its local (sliding_attention) layers keeping their own sliding window."""
+    mask = window_mask(mode, length, window).expand(2, 1, -1, -1)
+    if source.config.model_type not in GEMMA:
+        return mask
+    local = window_mask("sliding", length, source.config.sliding_window).expand(2, 1, -1, -1)
+    return {"full_attention": mask, "sliding_attention": local}
+
+
 def comparable(config) -> dict:
     """A config's fields as saved, less what says only where and how it was saved."""
     fields = config.to_dict()
@@ -119,10 +158,14 @@ def test_converted_model_equals_its_source_past_its_length(name):
     source = source_model(name)
     model = lex_from_hf(source)
     assert model.config.hf_model_type == source.config.model_type
-    assert model.config.qk_norm == (source.config.model_type == "qwen3")
-    window = source.config.to_dict().get("sliding_window")
+    gemma = source.config.model_type in GEMMA
+    assert model.config.qk_norm == (source.config.model_type in ("qwen3", "gemma3_text"))
+    window = None if gemma else source.config.to_dict().get("sliding_window")
     assert (model.config.attention_mode, model.config.attention_window) == (
         ("sliding", window) if window else ("full", LENGTH))
+    if gemma:  # its sliding layers: local layers over their own window
+        assert model.config.local_layers == [kind == "sliding_attention" for kind in source.config.layer_types]
+        assert model.config.local_attention_window == source.config.sliding_window
     tokens = ids(2, LONG)
     assert_same_logits(logits(model, tokens), logits(source, tokens))
     prompt = tokens[:1, :40]
@@ -157,12 +200,13 @@ def test_windowed_conversion_equals_the_source_under_its_window(name, mode, sink
     if sinks:  # the source with its sinks placed where a converted model sees them: within the cache
         expected = logits(reference.use_window_attention(source_model(name), mode, window, sinks), tokens)
     else:
-        expected = logits(source, tokens, attention_mask=window_mask(mode, length, window).expand(2, 1, -1, -1))
+        expected = logits(source, tokens, attention_mask=source_window_mask(source, mode, length, window))
     assert_same_logits(logits(model, tokens), expected)
     assert (logits(source, tokens) - expected).abs().max() > 1e-2  # the window matters at this length
 
 
-@pytest.mark.parametrize("name", ["smollm3_no_rope_gqa_tied", "qwen3_gqa_untied"])
+@pytest.mark.parametrize("name", ["smollm3_no_rope_gqa_tied", "qwen3_gqa_untied", "gemma2_gqa_tied",
+                                  "gemma3_local_global_gqa_untied"])
 def test_decoding_through_the_bounded_cache_with_sinks_equals_the_reference(name):
     """generate() through LEX's bounded caches (sliding w = 8, 4 sinks in the cache's frame): each step picks what
     the source picks in one full forward under the same window, sinks re-rotated only in layers with rotary."""
