@@ -296,8 +296,8 @@ def lex_config_from_hf(
     hf_config: PreTrainedConfig, attention_mode: str | None = None, attention_window: int | None = None,
     attention_sinks: int = 0, attention_sink_positions: str = "cache", position_embedding_type: str = "rope",
 ) -> LexConfig:
-    """The LexConfig of a Llama, Mistral, Qwen2, Qwen3, Phi-3 or SmolLM3 config, or a ConversionError naming
-    what it cannot express.
+    """The LexConfig of a Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Gemma 2 or Gemma 3 (text) config, or a
+    ConversionError naming what it cannot express.
 
     By default the LEX model computes what the source does (full attention, or the source's sliding window);
     `attention_mode` "blockwise" or "sliding" with `attention_window` (default: the source's sliding window, else
@@ -435,7 +435,7 @@ def gemma_config(config: LexConfig, family: str, common: dict) -> PreTrainedConf
 
 def hf_config_from_lex(config: LexConfig) -> PreTrainedConfig:
     """The Llama (full attention), Mistral (sliding) or Qwen2 (q/k/v biases only) config computing what `config`
-    does, or the Qwen3, Phi-3 or SmolLM3 one of its family (`hf_family`); else a ConversionError naming the first
+    does, or the Qwen3, Phi-3, SmolLM3, Gemma 2 or Gemma 3 one of its family (`hf_family`); else a ConversionError naming the first
     field no HF architecture computes."""
     if not POSITION_METHODS[config.position_embedding_type].llama:
         refuse_field(config, "position_embedding_type",
@@ -571,8 +571,8 @@ def lex_from_hf(
     model: PreTrainedModel, attention_mode: str | None = None, attention_window: int | None = None,
     attention_sinks: int = 0, attention_sink_positions: str = "cache", position_embedding_type: str = "rope",
 ) -> LexForCausalLM:
-    """A loaded LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM or
-    SmolLM3ForCausalLM as a LexForCausalLM, in memory.
+    """A loaded LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM,
+    SmolLM3ForCausalLM, Gemma2ForCausalLM or Gemma3ForCausalLM as a LexForCausalLM, in memory.
 
     The LEX model shares the source's tensors (the permuted q/k projections and q/k norms excepted; Phi-3's v and
     gate/up are row slices of its fused tensors), on its device and in its dtype, so no second copy of the weights
@@ -795,8 +795,8 @@ def convert_hf(
     dtype: str | None = None, force: bool = False, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     attention_sinks: int = 0, attention_sink_positions: str = "cache", position_embedding_type: str = "rope",
 ) -> LexConfig:
-    """A Llama, Mistral, Qwen2, Qwen3, Phi-3 or SmolLM3 folder (safetensors) or .gguf file -> a LEX folder;
-    returns its LexConfig.
+    """A Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Gemma 2 or Gemma 3 folder (safetensors) or .gguf file ->
+    a LEX folder; returns its LexConfig.
 
     At most one output shard (`max_shard_size`) of weights is held in memory. An existing OUT is refused unless
     `force`, and replaced only once the new folder is complete.
@@ -816,8 +816,8 @@ def convert_hf(
 
 def convert_to_hf(src_dir: str | Path, out_dir: str | Path, force: bool = False,
                   max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> PreTrainedConfig:
-    """A LEX folder with RoPE positions -> a Llama, Mistral, Qwen2, Qwen3, Phi-3 or SmolLM3 folder that
-    transformers loads without this package; returns its config. Refused, with nothing written, where no HF
+    """A LEX folder with RoPE positions -> a Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Gemma 2 or Gemma 3 folder
+    that transformers loads without this package; returns its config. Refused, with nothing written, where no HF
     architecture computes the model."""
     src_dir = Path(src_dir)
     config = load_config(src_dir)

@@ -179,6 +179,24 @@ def test_smollm3_layers_without_rotary_are_kept_per_layer():
     assert every_layer.config.rope_layers is None and every_layer.config.hf_model_type == "smollm3"
 
 
+def test_gemma_soft_capping_local_windows_and_local_rope_each_matter():
+    """The equalities above are no accident of tiny configs: without Gemma 2's caps, or with Gemma 3's local layers
+    given the global window or rope, the converted model computes something else."""
+    tokens = ids(2, LONG)
+    capped = lex_from_hf(source_model("gemma2_gqa_tied"))
+    expected = logits(capped, tokens)
+    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+        uncapped = lex_from_hf(source_model("gemma2_gqa_tied", **{field: None}))
+        assert (logits(uncapped, tokens) - expected).abs().max() > 1e-2, field
+    local = source_model("gemma3_local_global_gqa_untied")
+    expected = logits(lex_from_hf(local), tokens)
+    same_rope = {kind: {"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0}
+                 for kind in ("full_attention", "sliding_attention")}
+    for overrides in (dict(sliding_window=None, layer_types=["full_attention"] * 4), dict(rope_parameters=same_rope)):
+        other = lex_from_hf(source_model("gemma3_local_global_gqa_untied", **overrides))
+        assert (logits(other, tokens) - expected).abs().max() > 1e-2, overrides
+
+
 def test_phi3_in_memory_conversion_slices_the_fused_tensors_without_copies():
     source = source_model("phi3_gqa_untied")
     model = lex_from_hf(source)
@@ -274,6 +292,16 @@ def test_a_sliding_reading_goes_back_to_its_family_with_that_window(name, fields
     ("qwen3_gqa_untied", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
      "per-layer windows that differ"),
     ("smollm3_no_rope_gqa_tied", dict(use_sliding_window=True, sliding_window=8), "per-layer windows that differ"),
+    ("gemma2_gqa_tied", dict(use_bidirectional_attention=True), "gemma2 use_bidirectional_attention=True: LEX models "
+                                                                "are causal"),
+    ("gemma3_mqa_tied_capped", dict(attn_logit_softcapping=5.0), "gemma3_text attn_logit_softcapping=5.0: "
+                                                                  "transformers' Gemma 3 never applies it"),
+    ("gemma3_mqa_tied_capped", dict(hidden_activation="gelu_new"), "hidden_activation='gelu_new': convertible"),
+    ("gemma2_gqa_tied", dict(sliding_window=7), "LexConfig.local_attention_window=7 must be an even integer"),
+    ("gemma3_mqa_tied_capped", dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                                     "sliding_attention": {"rope_type": "dynamic", "rope_theta": 1e4,
+                                                                           "factor": 2.0}}),
+     "local_rope_parameters['rope_type']='dynamic' is not supported"),
 ])
 def test_what_a_family_computes_that_lex_cannot_is_refused_by_name(name, overrides, message):
     with pytest.raises(ConversionError, match="^[^\n]*$") as error:
@@ -303,17 +331,42 @@ def test_what_the_family_does_not_compute_is_refused_on_the_way_back(fields, fie
     assert not (tmp_path / "hf").exists()
 
 
+@pytest.mark.parametrize("name, change, field", [
+    ("gemma3_local_global_gqa_untied", dict(attention_mode="sliding", attention_window=8), "attention_mode"),
+    ("gemma2_gqa_tied", dict(local_rope_parameters={"rope_type": "default", "rope_theta": 100.0}),
+     "local_rope_parameters"),
+    ("gemma3_mqa_tied_capped", dict(attn_logit_softcapping=5.0), "attn_logit_softcapping"),
+    ("gemma2_gqa_tied", dict(embedding_scale=2.0), "embedding_scale"),
+    ("gemma2_gqa_tied", dict(sublayer_output_norms=False), "sublayer_output_norms"),
+    ("gemma3_mqa_tied_capped", dict(hf_model_type=None), "norm_type"),
+])
+def test_what_gemma_does_not_compute_is_refused_on_the_way_back(name, change, field, tmp_path):
+    """A converted Gemma read through a LEX window, or changed where Gemma has no such option, goes back nowhere:
+    the refusal names the field; a Gemma config without its hf_model_type is no Llama either."""
+    model = lex_from_hf(source_model(name), **{k: v for k, v in change.items() if k.startswith("attention_")})
+    for key, value in change.items():
+        if not key.startswith("attention_"):
+            setattr(model.config, key, value)
+    model.save_pretrained(tmp_path / "lex")
+    with pytest.raises(ConversionError, match="^[^\n]*$") as error:
+        convert_to_hf(tmp_path / "lex", tmp_path / "hf")
+    assert str(error.value).startswith(f"LexConfig.{field}=")
+    assert not (tmp_path / "hf").exists()
+
+
 # ---------------------------------------------------------------- a .gguf file and lex eval-length
 
 
 def write_gguf(path: Path, model) -> None:
-    """`model` (a Qwen3 or a Phi-3) as a float32 .gguf file under llama.cpp's names, written with the gguf package's
-    writer, with a tokenizer of its family's kind: Qwen3 a byte-level BPE of 97 tokens (95 characters and the
-    merges "ab" and "cd"), Phi-3 a sentencepiece vocabulary of 97 words."""
+    """`model` (a Qwen3, a Phi-3, a Gemma 2 or a Gemma 3) as a float32 .gguf file under llama.cpp's names, written
+    with the gguf package's writer, with a tokenizer of its family's kind: Qwen3 a byte-level BPE of 97 tokens (95
+    characters and the merges "ab" and "cd"), the others a sentencepiece vocabulary of 97 words. Gemma's norm
+    weights are stored as llama.cpp stores them, 1 + w, with its head size and sliding window."""
     import gguf
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    config, architecture = model.config, model.config.model_type
+    config, architecture = model.config, model.config.model_type.removesuffix("_text")  # llama.cpp's "gemma3"
+    gemma = config.model_type in GEMMA
     writer = gguf.GGUFWriter(path, architecture)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_block_count(config.num_hidden_layers)
@@ -321,7 +374,12 @@ def write_gguf(path: Path, model) -> None:
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters.get("full_attention", config.rope_parameters)  # Gemma 3's: per layer type
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if gemma:
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+        writer.add_sliding_window(config.sliding_window)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     if architecture == "qwen3":
@@ -341,9 +399,15 @@ def write_gguf(path: Path, model) -> None:
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_pad_token_id(0)
+    if gemma:  # GemmaTokenizer needs its unknown token named
+        writer.add_unk_token_id(0)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[architecture.upper()], config.num_hidden_layers)
     for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # the embedding (llama.cpp's Gemma 2 has no output tensor)
         module, kind = name.rsplit(".", 1)
+        if gemma and module.endswith("norm"):
+            tensor = tensor + 1
         writer.add_tensor(f"{names.get_name(module)}.{kind}", tensor.detach().float().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -355,6 +419,8 @@ def write_gguf(path: Path, model) -> None:
     # transformers' GGUF key map has no head_dim for Qwen3: 128, its default and every published Qwen3's
     ("qwen3_gqa_untied", dict(head_dim=128, num_attention_heads=2, num_key_value_heads=1)),
     ("phi3_gqa_untied", {}),
+    ("gemma2_gqa_tied", {}),
+    ("gemma3_local_global_gqa_untied", {}),
 ])
 def test_a_gguf_converts_as_transformers_loader_reads_it(name, overrides, tmp_path):
     """`lex convert-hf FILE.gguf` computes what the model transformers' GGUF loader reads computes (Phi-3's fused

@@ -10,8 +10,8 @@ from lex.models import DTYPES
 
 def convert_hf_parser() -> LexArgumentParser:
     parser = LexArgumentParser("convert-hf", description=hf.__doc__)
-    parser.add_argument("src", type=Path, help="a Llama, Mistral, Qwen2, Qwen3, Phi-3 or SmolLM3 folder, or a "
-                                                "Llama, Mistral, Qwen2, Qwen3 or Phi-3 .gguf file (or a folder of one)")
+    parser.add_argument("src", type=Path, help="a Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Gemma 2 or "
+                                                "Gemma 3 folder, or a .gguf file of one but SmolLM3 (or a folder of one)")
     parser.add_argument("out", type=Path, help="the LEX folder to write")
     parser.add_argument("--attention_mode", choices=ATTENTION_MODES,
                         help="default: what the source computes (full, or sliding for a sliding window)")
@@ -50,7 +50,8 @@ def main_convert_hf(argv: list[str] | None = None) -> int:
 def convert_to_hf_parser() -> LexArgumentParser:
     parser = LexArgumentParser("convert-to-hf", description=hf.__doc__)
     parser.add_argument("src", type=Path, help="a LEX folder with rope positions, full or sliding attention")
-    parser.add_argument("out", type=Path, help="the Llama, Mistral, Qwen2, Qwen3, Phi-3 or SmolLM3 folder to write")
+    parser.add_argument("out", type=Path, help="the Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Gemma 2 or Gemma 3 "
+                                                "folder to write")
     parser.add_argument("--force", action="store_true", help="replace an existing OUT")
     return parser
 
