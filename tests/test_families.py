@@ -132,13 +132,13 @@ def window_mask(mode: str, length: int, window: int) -> torch.Tensor:
     return torch.zeros(length, length).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
 
 
-def source_window_mask(source, mode: str, length: int, window: int):
-    """The explicit window mask of `source` in `mode`: one (2, 1, n, n) mask, or for Gemma one per layer type (its
-    model takes a mapping), its local (sliding_attention) layers keeping their own sliding window."""
-    mask = window_mask(mode, length, window).expand(2, 1, -1, -1)
+def source_window_mask(source, mode: str, length: int, window: int, batch: int = 2):
+    """The explicit window mask of `source` in `mode`: one (batch, 1, n, n) mask, or for Gemma one per layer type
+    (its model takes a mapping), its local (sliding_attention) layers keeping their own sliding window."""
+    mask = window_mask(mode, length, window).expand(batch, 1, -1, -1)
     if source.config.model_type not in GEMMA:
         return mask
-    local = window_mask("sliding", length, source.config.sliding_window).expand(2, 1, -1, -1)
+    local = window_mask("sliding", length, source.config.sliding_window).expand(batch, 1, -1, -1)
     return {"full_attention": mask, "sliding_attention": local}
 
 
@@ -456,11 +456,13 @@ def reference_ppl(model, documents: list[torch.Tensor], mask: torch.Tensor | Non
     return math.exp(nll / count)
 
 
-def test_eval_length_on_a_qwen3_folder_reads_full_and_sliding_with_and_without_sinks(tmp_path, capsys):
+@pytest.mark.parametrize("name", ["qwen3_gqa_untied", "gemma3_local_global_gqa_untied"])
+def test_eval_length_on_a_qwen3_or_gemma3_folder_reads_full_and_sliding_with_and_without_sinks(name, tmp_path, capsys):
     """Full attention is the checkpoint as published; sliding (w = 8) with 0 and 4 sinks is the checkpoint converted
-    in memory, equal to transformers' Qwen3 under the window's mask (with sinks: re-rotated within the cache)."""
-    folder = tmp_path / "qwen3"
-    source_model("qwen3_gqa_untied").save_pretrained(folder)
+    in memory, equal to transformers' Qwen3 or Gemma 3 under the window's mask (with sinks: re-rotated within the
+    cache; Gemma 3's local layers under their own window of 12)."""
+    folder = tmp_path / name
+    source_model(name).save_pretrained(folder)
     tokenizer, words = word_tokenizer()
     tokenizer.save_pretrained(folder)
     (tmp_path / "docs").mkdir()
@@ -479,8 +481,8 @@ def test_eval_length_on_a_qwen3_folder_reads_full_and_sliding_with_and_without_s
     documents = [torch.tensor(tokenizer(text, add_special_tokens=False).input_ids[:48]) for text in texts]
     source = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
     assert rows["full", 0] == pytest.approx(reference_ppl(source, documents, None), rel=1e-5)
-    assert rows["sliding", 0] == pytest.approx(reference_ppl(source, documents, window_mask("sliding", 48, 8)),
-                                               rel=1e-5)
+    windowed = source_window_mask(source, "sliding", 48, 8, batch=1)
+    assert rows["sliding", 0] == pytest.approx(reference_ppl(source, documents, windowed), rel=1e-5)
     reference.use_window_attention(source, "sliding", 8, 4)
     assert rows["sliding", 4] == pytest.approx(reference_ppl(source, documents, None), rel=1e-5)
     assert len({round(ppl, 6) for ppl in rows.values()}) == 3
@@ -509,9 +511,11 @@ def test_lex_generate_continues_a_smollm3_folder_through_a_window_with_sinks(tmp
     assert "sliding attention, window 8, 4 attention sinks" in captured.err
 
 
-@pytest.mark.parametrize("name", ["qwen3_gqa_untied", "smollm3_no_rope_gqa_tied"])
+@pytest.mark.parametrize("name", ["qwen3_gqa_untied", "smollm3_no_rope_gqa_tied", "gemma2_gqa_tied",
+                                  "gemma3_local_global_gqa_untied"])
 def test_lex_export_of_a_converted_folder_loads_by_remote_code_without_this_package(name, tmp_path):
-    """A converted Qwen3 (q/k norms) or SmolLM3 (layers without rotary), read through a window with sinks, exported
+    """A converted Qwen3 (q/k norms), SmolLM3 (layers without rotary) or Gemma (caps, local layers), read through a
+    window with sinks, exported
     with `lex export`: transformers loads it from the folder's own code, in a process where this package cannot be
     imported, and computes what the converted model computes."""
     model = lex_from_hf(source_model(name), attention_mode="sliding", attention_window=8, attention_sinks=4)
