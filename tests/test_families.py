@@ -515,9 +515,8 @@ def test_lex_generate_continues_a_smollm3_folder_through_a_window_with_sinks(tmp
                                   "gemma3_local_global_gqa_untied"])
 def test_lex_export_of_a_converted_folder_loads_by_remote_code_without_this_package(name, tmp_path):
     """A converted Qwen3 (q/k norms), SmolLM3 (layers without rotary) or Gemma (caps, local layers), read through a
-    window with sinks, exported
-    with `lex export`: transformers loads it from the folder's own code, in a process where this package cannot be
-    imported, and computes what the converted model computes."""
+    window with sinks, exported with `lex export`: transformers loads it from the folder's own code, in a process
+    where this package cannot be imported, and computes what the converted model computes."""
     model = lex_from_hf(source_model(name), attention_mode="sliding", attention_window=8, attention_sinks=4)
     model.save_pretrained(tmp_path / "lex")
     word_tokenizer()[0].save_pretrained(tmp_path / "lex")
