@@ -329,16 +329,16 @@ class LexModel(LexPreTrainedModel):
                           attention_maps=bool(maps))
         hidden_states = self.embed(input_ids, inputs_embeds, record.context.query_positions)
         rope_layers, local_layers = self.config.rope_layers, self.config.local_layers
-        positionless = without_positions(plan) if rope_layers is not None and not all(rope_layers) else None
-        local_plan = None
-        if local_layers is not None and any(local_layers):
-            local_plan = build_plan(self.local_config, self.local_position_method, record,
-                                    self.embed_tokens.weight.dtype, attention_maps=bool(maps))
+        plans = {}  # (local, rotary) -> the plan of such layers, made once per forward
         for index, layer in enumerate(self.layers):
-            layer_plan = plan if rope_layers is None or rope_layers[index] else positionless
-            if local_layers is not None and local_layers[index]:
-                layer_plan = local_plan
-            hidden_states = layer(hidden_states, plan=layer_plan, cache=cache, **kwargs)
+            kind = (local_layers is not None and local_layers[index], rope_layers is None or rope_layers[index])
+            if kind not in plans:
+                layer_plan = plan
+                if kind[0]:  # a local layer: its own window and rope over the same record
+                    layer_plan = build_plan(self.local_config, self.local_position_method, record,
+                                            self.embed_tokens.weight.dtype, attention_maps=bool(maps))
+                plans[kind] = layer_plan if kind[1] else without_positions(layer_plan)
+            hidden_states = layer(hidden_states, plan=plans[kind], cache=cache, **kwargs)
         if isinstance(cache, LEX_CACHES):  # every layer ran: the cache keeps what the record says
             cache.commit(record)
         if self.norm is not None:
