@@ -6,8 +6,9 @@ biases, an optional fairseq sinusoidal absolute embedding) are here so that ever
 `head_dim`, RMSNorm, a gated MLP, q/k/v biases apart from the output projection's, `rope_parameters`) so that
 every Llama, Mistral, Qwen2, Qwen3 (per-head q/k norms), Phi-3 and SmolLM3 (layers without rotary) checkpoint does
 too, and every Gemma 2 and Gemma 3 one (norms scaled by 1 + w, post-sublayer norms, GeGLU, soft-capped logits,
-local layers with their own window and rotary beside global ones). Names follow LlamaConfig where the concept is the same. The defaults are TorchScale's decoder: every config
-saved before these fields existed loads unchanged.
+local layers with their own window and rotary beside global ones). Names follow LlamaConfig (Gemma's for Gemma's
+own concepts) where the concept is the same. The defaults are TorchScale's decoder: every config saved before these
+fields existed loads unchanged.
 
 Validation is transformers v5's (`@strict` from huggingface_hub, as in LlamaConfig): every field is checked on
 construction and on every later assignment against its type (the `Literal` types below list the allowed choices)
@@ -125,10 +126,9 @@ class LexConfig(PreTrainedConfig):
             (Gemma 2/3's sliding_attention layers). local_attention_window: even and >= 4, given with local_layers.
             local_rope_parameters: the local layers' rope (Gemma 3's rope_local_base_freq); None: `rope_parameters`.
         hf_model_type: the transformers family a converted checkpoint came from, "qwen3", "phi3", "smollm3",
-            "gemma2" or "gemma3_text" (Gemma3ForCausalLM),
-            which `lex convert-to-hf` writes back (Phi-3's fused projections are no part of the model's math).
-            None (default): the one the other fields imply (Llama, Mistral or Qwen2; Qwen3 with `qk_norm`,
-            SmolLM3 with `rope_layers`).
+            "gemma2" or "gemma3_text" (Gemma3ForCausalLM), which `lex convert-to-hf` writes back (Phi-3's fused
+            projections are no part of the model's math). None (default): the one the other fields imply (Llama,
+            Mistral or Qwen2; Qwen3 with `qk_norm`, SmolLM3 with `rope_layers`).
         attention_bias: biases on q/k/v projections; attention_output_bias: on the output projection (default
             `attention_bias`; Qwen2 has q/k/v biases only). mlp_bias: biases on the MLP projections.
         normalize_before: pre-norm layers with a final layer norm (True) or post-norm (False).

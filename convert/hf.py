@@ -5,8 +5,8 @@
     lex convert-to-hf SRC OUT [--force]
 
 SRC is a model folder (safetensors) or a `.gguf` file of an architecture transformers' GGUF loader reads (Llama,
-Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3), or a folder holding exactly one, read by that loader (dequantized, with its
-tokenizer; needs the `gguf` package).
+Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3), or a folder holding exactly one, read by that loader (dequantized,
+with its tokenizer; needs the `gguf` package).
 
 A LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM or
 SmolLM3ForCausalLM becomes a LexForCausalLM with RoPE positions, RMSNorm, a gated MLP, grouped-query attention and
@@ -435,8 +435,8 @@ def gemma_config(config: LexConfig, family: str, common: dict) -> PreTrainedConf
 
 def hf_config_from_lex(config: LexConfig) -> PreTrainedConfig:
     """The Llama (full attention), Mistral (sliding) or Qwen2 (q/k/v biases only) config computing what `config`
-    does, or the Qwen3, Phi-3, SmolLM3, Gemma 2 or Gemma 3 one of its family (`hf_family`); else a ConversionError naming the first
-    field no HF architecture computes."""
+    does, or the Qwen3, Phi-3, SmolLM3, Gemma 2 or Gemma 3 one of its family (`hf_family`); else a ConversionError
+    naming the first field no HF architecture computes."""
     if not POSITION_METHODS[config.position_embedding_type].llama:
         refuse_field(config, "position_embedding_type",
                      "no HF architecture computes it (Llama, Mistral and Qwen2 rotate with RoPE: 'rope')")

@@ -7,10 +7,10 @@ References are transformers' own classes, tiny and with every parameter perturbe
 its source computes (full mode, past the source's max_position_embeddings), and in blockwise and sliding modes
 what the source computes under an explicit window mask, or with its sinks re-rotated to their places in the
 cache (tests/reference.py); Gemma's local layers keep their own window in both. A Qwen3, a Phi-3, a Gemma 2 and a
-Gemma 3 `.gguf` written here with the gguf package's writer convert as
-transformers' GGUF loader reads them, and `lex eval-length` reads a Qwen3 and a Gemma 3 folder in full and sliding modes with and
-without sinks; `lex generate` continues a SmolLM3 folder through a window with sinks, and `lex export` of a converted
-folder loads by remote code without this package. Everything runs in float32 on the CPU and nothing is downloaded.
+Gemma 3 `.gguf` written here with the gguf package's writer convert as transformers' GGUF loader reads them, and
+`lex eval-length` reads a Qwen3 and a Gemma 3 folder in full and sliding modes with and without sinks; `lex generate`
+continues a SmolLM3 folder through a window with sinks, and `lex export` of a converted folder loads by remote code
+without this package. Everything runs in float32 on the CPU and nothing is downloaded.
 """
 
 import json

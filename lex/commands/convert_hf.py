@@ -11,7 +11,8 @@ from lex.models import DTYPES
 def convert_hf_parser() -> LexArgumentParser:
     parser = LexArgumentParser("convert-hf", description=hf.__doc__)
     parser.add_argument("src", type=Path, help="a Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Gemma 2 or "
-                                                "Gemma 3 folder, or a .gguf file of one but SmolLM3 (or a folder of one)")
+                                                "Gemma 3 folder, or a .gguf file of one but SmolLM3 (or a folder "
+                                                "of one)")
     parser.add_argument("out", type=Path, help="the LEX folder to write")
     parser.add_argument("--attention_mode", choices=ATTENTION_MODES,
                         help="default: what the source computes (full, or sliding for a sliding window)")

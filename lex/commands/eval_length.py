@@ -3,8 +3,8 @@
 
 Perplexity by evaluation length (lex.perplexity: the paper's "segments" protocol and a "strided" one) for LEX
 folders and Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Gemma 2 or Gemma 3 folders or .gguf files (full attention
-as published; the other modes converted in memory) in every attention mode with each number of attention sinks (and each sink
-position rule asked for), and for any other causal LM as published. Prints the tables and writes results.csv,
+as published; the other modes converted in memory) in every attention mode with each number of attention sinks (and
+each sink position rule asked for), and for any other causal LM as published. Prints the tables and writes results.csv,
 results.json and ppl_vs_length.png; with --resolution the attention resolution per layer (resolution.json,
 resolution.png), with --passkey the passkey probe for every mode (passkey.json).
 """

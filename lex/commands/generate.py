@@ -2,10 +2,9 @@
 
 generate() reads the prompt window by window (a progress bar counts it), then streams the continuation to
 stdout. In blockwise and sliding modes memory stays O(window + sinks) however long the prompt is. MODEL is a LEX
-folder, or a Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Gemma 2 or Gemma 3 folder or .gguf file (dequantized, with its
-tokenizer): as published by default (its own cache, which grows with the document), converted in memory to a LEX
-model by --attention_mode /
---attention_window / --attention_sinks (/ --attention_sink_positions).
+folder, or a Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Gemma 2 or Gemma 3 folder or .gguf file (dequantized,
+with its tokenizer): as published by default (its own cache, which grows with the document), converted in memory to a
+LEX model by --attention_mode / --attention_window / --attention_sinks (/ --attention_sink_positions).
 """
 
 import argparse
