@@ -197,6 +197,18 @@ def test_gemma_soft_capping_local_windows_and_local_rope_each_matter():
         assert (logits(other, tokens) - expected).abs().max() > 1e-2, overrides
 
 
+def test_gemma_embeddings_are_scaled_in_their_dtype_as_gemma_scales_them():
+    """In bfloat16 Gemma multiplies by sqrt(hidden) rounded to bfloat16 (sqrt(96) = 9.798 becomes 9.8125): a converted
+    model's embeddings are the same bits, which the product by the float scale is not."""
+    source = source_model("gemma3_mqa_tied_capped", hidden_size=96, num_attention_heads=4).to(torch.bfloat16)
+    model = lex_from_hf(source)
+    tokens = ids(2, 20)
+    with torch.no_grad():
+        expected = source.model.embed_tokens(tokens)
+        assert torch.equal(model.model.embed(tokens, None, tokens), expected)
+        assert not torch.equal(model.model.embed_tokens(tokens) * 96**0.5, expected)  # the float product differs
+
+
 def test_phi3_in_memory_conversion_slices_the_fused_tensors_without_copies():
     source = source_model("phi3_gqa_untied")
     model = lex_from_hf(source)
@@ -488,12 +500,14 @@ def test_eval_length_on_a_qwen3_or_gemma3_folder_reads_full_and_sliding_with_and
     assert len({round(ppl, 6) for ppl in rows.values()}) == 3
 
 
-def test_lex_generate_continues_a_smollm3_folder_through_a_window_with_sinks(tmp_path, capsys):
-    """`lex generate SMOLLM3 --attention_mode sliding --attention_window 8 --attention_sinks 4` (converted in
-    memory): the continuation is transformers' SmolLM3 decoding greedily under the naive window attention with its
-    sinks within the cache, re-rotated only in the layers with rotary."""
-    folder = tmp_path / "smollm3"
-    source_model("smollm3_no_rope_gqa_tied", bos_token_id=None, eos_token_id=None).save_pretrained(folder)
+@pytest.mark.parametrize("name", ["smollm3_no_rope_gqa_tied", "gemma2_gqa_tied"])
+def test_lex_generate_continues_a_smollm3_or_gemma2_folder_through_a_window_with_sinks(name, tmp_path, capsys):
+    """`lex generate FOLDER --attention_mode sliding --attention_window 8 --attention_sinks 4` (converted in
+    memory): the continuation is transformers' SmolLM3 or Gemma 2 decoding greedily under the naive window attention
+    with its sinks within the cache, re-rotated only in the layers with rotary (Gemma 2's local layers under their
+    own window, its scores capped)."""
+    folder = tmp_path / name
+    source_model(name, bos_token_id=None, eos_token_id=None).save_pretrained(folder)
     tokenizer, words = word_tokenizer()
     tokenizer.save_pretrained(folder)
     text = " ".join(words[(7 * i) % 96] for i in range(40))
