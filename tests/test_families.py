@@ -258,10 +258,13 @@ def test_decoding_through_the_bounded_cache_with_sinks_equals_the_reference(name
 
 
 @pytest.mark.parametrize("name", SOURCES)
-def test_folder_round_trip_gives_the_source_class_config_and_weights_back(name, tmp_path):
+def test_folder_round_trip_gives_the_source_class_config_and_weights_back(name, tmp_path, capsys):
     source = source_model(name)
     source.save_pretrained(tmp_path / "src")
     assert lex(["convert-hf", str(tmp_path / "src"), str(tmp_path / "lex")]) == 0
+    if name == "gemma3_local_global_gqa_untied":  # the summary names the local layers
+        summary = capsys.readouterr().out
+        assert "; 3 of the layers local, sliding over their own window 12 with their own rope" in summary
     converted = AutoModelForCausalLM.from_pretrained(tmp_path / "lex")
     assert converted.config.model_type == "lex"
     tokens = ids(2, LONG)

@@ -44,8 +44,17 @@ def main_convert_hf(argv: list[str] | None = None) -> int:
           f"{config.num_attention_heads} heads / {config.num_key_value_heads} key-value heads, "
           f"{config.position_embedding_type} (rope_type {config.rope_parameters['rope_type']}), "
           f"{config.attention_mode} attention (window {config.attention_window}, {config.attention_sinks} sinks at "
-          f"{config.attention_sink_positions} positions)")
+          f"{config.attention_sink_positions} positions)" + local_layers(config))
     return 0
+
+
+def local_layers(config) -> str:
+    """What a summary adds for local layers (Gemma's): how many, and the window they keep."""
+    count = sum(config.local_layers or ())
+    if not count:
+        return ""
+    return (f"; {count} of the layers local, sliding over their own window {config.local_attention_window}"
+            f"{' with their own rope' if config.local_rope_parameters else ''}")
 
 
 def convert_to_hf_parser() -> LexArgumentParser:
