@@ -5,8 +5,10 @@ biases, an optional fairseq sinusoidal absolute embedding) are here so that ever
 `Decoder` language model maps onto a LexConfig without loss; the modern backbone (grouped-query attention,
 `head_dim`, RMSNorm, a gated MLP, q/k/v biases apart from the output projection's, `rope_parameters`) so that
 every Llama, Mistral, Qwen2, Qwen3 (per-head q/k norms), Phi-3 and SmolLM3 (layers without rotary) checkpoint does
-too. Names follow LlamaConfig where the concept is the same. The defaults are TorchScale's decoder: every config
-saved before these fields existed loads unchanged.
+too, and every Gemma 2 and Gemma 3 one (norms scaled by 1 + w, post-sublayer norms, GeGLU, soft-capped logits,
+local layers with their own window and rotary beside global ones). Names follow LlamaConfig (Gemma's for Gemma's
+own concepts) where the concept is the same. The defaults are TorchScale's decoder: every config saved before these
+fields existed loads unchanged.
 
 Validation is transformers v5's (`@strict` from huggingface_hub, as in LlamaConfig): every field is checked on
 construction and on every later assignment against its type (the `Literal` types below list the allowed choices)
@@ -20,6 +22,7 @@ HIDDEN_ACTS, NORM_TYPES, MLP_TYPES, ROPE_TYPES, ABSOLUTE_POSITION_EMBEDDINGS and
 them; CLI choices and converters import those.
 """
 
+import copy
 from typing import Literal, get_args
 
 from huggingface_hub.dataclasses import strict
@@ -29,8 +32,10 @@ from transformers.utils.type_validators import interval
 
 PositionEmbeddingType = Literal["xpos", "rope", "decay", "alibi", "kerple", "sandwich", "sinusoidal", "none"]
 AttentionMode = Literal["blockwise", "sliding", "full"]
-HiddenAct = Literal["gelu", "relu", "swish", "silu"]
-NormType = Literal["layernorm", "rmsnorm"]
+# "gelu_pytorch_tanh": GELU's tanh approximation (Gemma's GeGLU).
+HiddenAct = Literal["gelu", "relu", "swish", "silu", "gelu_pytorch_tanh"]
+# "gemma_rmsnorm": RMSNorm scaled by (1 + weight) in float32 before the cast back (Gemma's; its weights start at 0).
+NormType = Literal["layernorm", "rmsnorm", "gemma_rmsnorm"]
 MlpType = Literal["fc", "gated"]
 # transformers' rope types whose frequencies do not depend on the current length: a windowed model re-encodes
 # positions inside each window, so "dynamic" (and "longrope", which switches factors by length) cannot be reproduced.
@@ -42,7 +47,7 @@ AbsolutePositionEmbedding = Literal[None, "sinusoidal"]
 SinkPositions = Literal["true", "cache"]
 # The transformers families a converted checkpoint can come from beside Llama, Mistral and Qwen2 (which the other
 # fields imply), which `lex convert-to-hf` writes back.
-HfModelType = Literal[None, "qwen3", "phi3", "smollm3"]
+HfModelType = Literal[None, "qwen3", "phi3", "smollm3", "gemma2", "gemma3_text"]
 
 POSITION_EMBEDDING_TYPES: tuple[str, ...] = get_args(PositionEmbeddingType)
 ATTENTION_MODES: tuple[str, ...] = get_args(AttentionMode)
@@ -102,8 +107,9 @@ class LexConfig(PreTrainedConfig):
             "longrope") are refused.
         num_key_value_heads: key/value heads (grouped-query attention; 1 is multi-query); default
             `num_attention_heads`. head_dim: size of each head; default `hidden_size // num_attention_heads`.
-        norm_type: "layernorm" (TorchScale's, eps `layer_norm_eps`) or "rmsnorm" (Llama's, eps `rms_norm_eps`),
-            used by every norm of the model.
+        norm_type: "layernorm" (TorchScale's, eps `layer_norm_eps`), "rmsnorm" (Llama's, eps `rms_norm_eps`) or
+            "gemma_rmsnorm" (Gemma's: RMSNorm scaled by 1 + weight in float32, eps `rms_norm_eps`), used by every norm
+            of the model.
         mlp_type: "fc" (TorchScale's fc1 -> act -> fc2) or "gated" (Llama's down_proj(act(gate_proj(x)) *
             up_proj(x))).
         qk_norm: a norm (`norm_type`, over each head's `head_dim`) on every head's queries and keys before
@@ -111,10 +117,27 @@ class LexConfig(PreTrainedConfig):
         rope_layers: per layer, whether it takes rotary positions (None, the default: every layer). A layer with
             False attends without any position information (SmolLM3's `no_rope_layers`, where 1 means rotary
             too); only with `position_embedding_type="rope"`.
-        hf_model_type: the transformers family a converted checkpoint came from, "qwen3", "phi3" or "smollm3",
-            which `lex convert-to-hf` writes back (Phi-3's fused projections are no part of the model's math).
-            None (default): the one the other fields imply (Llama, Mistral or Qwen2; Qwen3 with `qk_norm`,
-            SmolLM3 with `rope_layers`).
+        sublayer_output_norms: a norm (`norm_type`) on the attention's and the MLP's outputs before each residual
+            sum, beside the pre-norms (Gemma 2/3's post_attention_layernorm and post_feedforward_layernorm). Default
+            False.
+        query_pre_attn_scalar: scores scaled by query_pre_attn_scalar^-0.5 instead of head_dim^-0.5 (Gemma's).
+            None (default): head_dim.
+        attn_logit_softcapping: c in c * tanh(scores / c), the attention scores capped before the mask (Gemma 2's);
+            every backend then computes the scores explicitly (SDPA cannot cap them). None (default): no cap.
+        final_logit_softcapping: the same cap on the output logits (Gemma 2's, some Gemma 3's). None: no cap.
+        embedding_scale_in_lookup: `embedding_scale` is part of the token lookup, as in Gemma's scaled embedding:
+            rounded to the embeddings' dtype first (`embed_scale.to(weight.dtype)`: sqrt(2304) is 48.0 in bfloat16),
+            and `inputs_embeds` are taken as given. False (default): TorchScale's, every input's embeddings times the
+            Python float.
+        local_layers: per layer, whether it is a local layer (None, the default: none is): sliding attention over
+            its own trained window `local_attention_window` with its own `local_rope_parameters`, without sinks,
+            whatever `attention_mode`, `attention_window` and `attention_sinks` the other (global) layers take
+            (Gemma 2/3's sliding_attention layers). local_attention_window: even and >= 4, given with local_layers.
+            local_rope_parameters: the local layers' rope (Gemma 3's rope_local_base_freq); None: `rope_parameters`.
+        hf_model_type: the transformers family a converted checkpoint came from, "qwen3", "phi3", "smollm3",
+            "gemma2" or "gemma3_text" (Gemma3ForCausalLM), which `lex convert-to-hf` writes back (Phi-3's fused
+            projections are no part of the model's math). None (default): the one the other fields imply (Llama,
+            Mistral or Qwen2; Qwen3 with `qk_norm`, SmolLM3 with `rope_layers`).
         attention_bias: biases on q/k/v projections; attention_output_bias: on the output projection (default
             `attention_bias`; Qwen2 has q/k/v biases only). mlp_bias: biases on the MLP projections.
         normalize_before: pre-norm layers with a final layer norm (True) or post-norm (False).
@@ -173,6 +196,14 @@ class LexConfig(PreTrainedConfig):
     mlp_bias: bool = True
     qk_norm: bool = False
     rope_layers: list[bool] | None = None
+    sublayer_output_norms: bool = False
+    query_pre_attn_scalar: float | int | None = None  # > 0 when set: validate_architecture
+    attn_logit_softcapping: float | int | None = None  # > 0 when set: validate_architecture
+    final_logit_softcapping: float | int | None = None  # > 0 when set: validate_architecture
+    embedding_scale_in_lookup: bool = False
+    local_layers: list[bool] | None = None
+    local_attention_window: int | None = None  # even and >= 4 with local_layers: validate_architecture
+    local_rope_parameters: RopeParameters | dict | None = None
     hf_model_type: HfModelType = None
     absolute_position_embedding: AbsolutePositionEmbedding = None
     absolute_position_offset: int = non_negative(default=2)
@@ -234,6 +265,12 @@ class LexConfig(PreTrainedConfig):
                     f"{self.attention_sinks} at attention_sink_positions={self.attention_sink_positions!r}: the memory "
                     "sits between the sinks and the window in the cache's frame (allowed: 'cache')"
                 )
+            if self.local_layers is not None:
+                raise ValueError(
+                    f"LexConfig.attention_memory_blocks={self.attention_memory_blocks} with local_layers (Gemma's "
+                    "sliding layers): a block memory beside layers that keep their own window is not supported "
+                    "(allowed: local_layers=None, or attention_memory_blocks=0)"
+                )
         if self.rope_layers is not None:
             if len(self.rope_layers) != self.num_hidden_layers:
                 raise ValueError(
@@ -245,6 +282,25 @@ class LexConfig(PreTrainedConfig):
                     f"LexConfig.rope_layers with position_embedding_type={self.position_embedding_type!r}: layers "
                     "without positions are supported with 'rope' only (allowed: None)"
                 )
+        for field in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+            value = getattr(self, field)
+            if value is not None and (isinstance(value, bool) or value <= 0):
+                raise ValueError(f"LexConfig.{field}={value!r} must be a positive number or None")
+        if self.local_layers is not None:
+            if len(self.local_layers) != self.num_hidden_layers:
+                raise ValueError(
+                    f"LexConfig.local_layers has {len(self.local_layers)} entries: one per layer (num_hidden_layers="
+                    f"{self.num_hidden_layers}) or None"
+                )
+            local = self.local_attention_window
+            if local is None or local < 4 or local % 2:
+                raise ValueError(f"LexConfig.local_attention_window={local!r} must be an even integer >= 4 with "
+                                 "local_layers")
+        elif self.local_attention_window is not None or self.local_rope_parameters is not None:
+            raise ValueError(
+                f"LexConfig.local_attention_window={self.local_attention_window!r} and local_rope_parameters="
+                f"{self.local_rope_parameters!r} apply to local_layers, which is None (allowed: None)"
+            )
         if (self.position_embedding_type, self.absolute_position_embedding) in (("none", "sinusoidal"),
                                                                               ("sinusoidal", None)):
             raise ValueError(
@@ -254,20 +310,34 @@ class LexConfig(PreTrainedConfig):
             )
 
     def validate_rope_type(self):
-        """Only rope types whose frequencies are fixed: a windowed model re-encodes positions in every window."""
-        rope_type = self.rope_parameters.get("rope_type", "default")
-        if rope_type not in ROPE_TYPES:
-            raise ValueError(
-                f"LexConfig.rope_parameters['rope_type']={rope_type!r} is not supported: "
-                + ("its frequencies depend on the current length, which a windowed model cannot reproduce; "
-                   if rope_type in ("dynamic", "longrope") else "")
-                + f"allowed: {', '.join(ROPE_TYPES)}"
-            )
-        if self.rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError(
-                f"LexConfig.rope_parameters['partial_rotary_factor']={self.rope_parameters['partial_rotary_factor']}"
-                " is not supported: LEX rotates every dimension of a head (allowed: 1.0)"
-            )
+        """Only rope types whose frequencies are fixed: a windowed model re-encodes positions in every window (the
+        local layers' rope too)."""
+        ropes = {"rope_parameters": self.rope_parameters, "local_rope_parameters": self.local_rope_parameters}
+        for field, rope in ropes.items():
+            if rope is None:
+                continue
+            rope_type = rope.get("rope_type", "default")
+            if rope_type not in ROPE_TYPES:
+                raise ValueError(
+                    f"LexConfig.{field}['rope_type']={rope_type!r} is not supported: "
+                    + ("its frequencies depend on the current length, which a windowed model cannot reproduce; "
+                       if rope_type in ("dynamic", "longrope") else "")
+                    + f"allowed: {', '.join(ROPE_TYPES)}"
+                )
+            if rope.get("partial_rotary_factor", 1.0) != 1.0:
+                raise ValueError(
+                    f"LexConfig.{field}['partial_rotary_factor']={rope['partial_rotary_factor']}"
+                    " is not supported: LEX rotates every dimension of a head (allowed: 1.0)"
+                )
+
+    def local_view(self) -> "LexConfig":
+        """What a local layer computes by (`local_layers`): this config in sliding mode over
+        `local_attention_window`, without sinks, with `local_rope_parameters` (or the global rope)."""
+        view = copy.deepcopy(self)
+        view.attention_mode, view.attention_window, view.attention_sinks = "sliding", self.local_attention_window, 0
+        view.rope_parameters = dict(self.local_rope_parameters or self.rope_parameters)
+        view.local_layers = view.local_attention_window = view.local_rope_parameters = None
+        return view
 
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Llama, Mistral, Qwen2, Qwen3, Phi-3 and SmolLM3 checkpoints <-> LEX models.
+"""Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Gemma 2 and Gemma 3 checkpoints <-> LEX models.
 
     lex convert-hf SRC OUT [--attention_mode M] [--attention_window W] [--attention_sinks S]
         [--attention_sink_positions cache|true] [--attention_memory_blocks K] [--attention_memory_block_size B]
@@ -6,14 +6,20 @@
     lex convert-to-hf SRC OUT [--force]
 
 SRC is a model folder (safetensors) or a `.gguf` file of an architecture transformers' GGUF loader reads (Llama,
-Mistral, Qwen2, Qwen3, Phi-3), or a folder holding exactly one, read by that loader (dequantized, with its
-tokenizer; needs the `gguf` package).
+Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3), or a folder holding exactly one, read by that loader (dequantized,
+with its tokenizer; needs the `gguf` package).
 
 A LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM or
 SmolLM3ForCausalLM becomes a LexForCausalLM with RoPE positions, RMSNorm, a gated MLP, grouped-query attention and
 the source's biases; Qwen3's per-head q/k norms become `qk_norm`, SmolLM3's layers without rotary `rope_layers`,
 and Phi-3's fused `qkv_proj` and `gate_up_proj` are split into q/k/v and gate/up on the way in and fused again on
-the way out (`hf_model_type` records the family to go back to). By default it computes exactly what the source
+the way out (`hf_model_type` records the family to go back to). A Gemma2ForCausalLM or Gemma3ForCausalLM (text)
+keeps its norms scaled by 1 + w (`norm_type="gemma_rmsnorm"`), its embeddings scaled by sqrt(hidden) in their dtype
+(`embedding_scale_in_lookup`), its post-attention and post-MLP norms (`sublayer_output_norms`),
+`query_pre_attn_scalar`, GeGLU, soft-capped attention scores (Gemma 2) and logits, Gemma 3's q/k norms, and its
+sliding_attention layers as LEX local layers (`local_layers`): sliding over their own trained `sliding_window`
+with their own rope (Gemma 3's per-layer-type rope_parameters), whatever mode and window the global
+(full_attention) layers take. By default it computes exactly what the source
 does: full attention, or the source's `sliding_window` on every layer as LEX `sliding` with w = that window (a
 query at p sees p-w+1 ... p in both). `attention_mode="blockwise"` (BCA) or `"sliding"` makes it read past its
 training length, and `attention_memory_blocks` k > 0 (with `attention_memory_block_size` b) adds a block memory
@@ -59,9 +65,12 @@ from transformers import (
     PreTrainedConfig,
     PreTrainedModel,
     Qwen2Config,
+    Gemma2Config,
+    Gemma3TextConfig,
     Qwen3Config,
     SmolLM3Config,
 )
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import is_gguf_available
 from transformers.utils.hub import convert_file_size_to_int
 
@@ -74,9 +83,12 @@ from .checkpoint import ConversionError, check_tensors, refuse_field
 
 logger = logging.getLogger(__name__)
 
-SOURCE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
-# The architectures of SOURCE_TYPES that transformers' GGUF loader reads (integrations/ggml.py).
-GGUF_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SOURCE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "gemma2", "gemma3_text")
+# The Gemma families: local and global layers, Gemma's norms, embeddings and soft-capping.
+GEMMA_TYPES = ("gemma2", "gemma3_text")
+# The architectures of SOURCE_TYPES that transformers' GGUF loader reads (integrations/ggml.py; its "gemma3" is
+# Gemma3ForCausalLM's gemma3_text).
+GGUF_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 # Phi-3's fused projections: the fused name, then its parts in row order (a part's rows: `fused_parts`).
 FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
@@ -93,14 +105,18 @@ FOREIGN_POSITIONS = {
     "phi": "rotary embeddings on part of each head (partial_rotary_factor)",
 }
 # HF activation names -> LexConfig.hidden_act (transformers' "gelu" is the exact erf GELU, as LEX's).
-HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "relu": "relu"}
+HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "relu": "relu",
+                  "gelu_pytorch_tanh": "gelu_pytorch_tanh"}
 # Files carried over besides the weights and config.json: the tokenizer and the generation defaults.
 CARRIED_FILES = (
     "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
     "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
 )
 # Layer norms are the only tensors named differently (LEX keeps TorchScale's names); the rest are Llama's names.
+# Llama's post_attention_layernorm is the MLP's pre-norm; Gemma's is the attention output's norm.
 LEX_NORMS = {"input_layernorm": "self_attn_layer_norm", "post_attention_layernorm": "final_layer_norm"}
+GEMMA_NORMS = {"input_layernorm": "self_attn_layer_norm", "post_attention_layernorm": "post_self_attn_layer_norm",
+               "pre_feedforward_layernorm": "final_layer_norm", "post_feedforward_layernorm": "post_mlp_layer_norm"}
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
                       "U8": torch.uint8, "BOOL": torch.bool}
@@ -158,15 +174,22 @@ def fused_name(name: str, config) -> str | None:
     return None
 
 
-def lex_name(hf_name: str) -> str:
-    for hf, lex in LEX_NORMS.items():
-        hf_name = hf_name.replace(f".{hf}.", f".{lex}.")
+def layer_norm_names(config: LexConfig) -> dict[str, str]:
+    """HF layer-norm name -> LEX name: Gemma's four where the config has `sublayer_output_norms`, else Llama's."""
+    return GEMMA_NORMS if config.sublayer_output_norms else LEX_NORMS
+
+
+def lex_name(hf_name: str, config: LexConfig) -> str:
+    for hf, lex in layer_norm_names(config).items():
+        if f".{hf}." in hf_name:
+            return hf_name.replace(f".{hf}.", f".{lex}.")
     return hf_name
 
 
-def hf_name(lex_name_: str) -> str:
-    for hf, lex in LEX_NORMS.items():
-        lex_name_ = lex_name_.replace(f".{lex}.", f".{hf}.")
+def hf_name(lex_name_: str, config: LexConfig) -> str:
+    for hf, lex in layer_norm_names(config).items():
+        if f".{lex}." in lex_name_:
+            return lex_name_.replace(f".{lex}.", f".{hf}.")
     return lex_name_
 
 
@@ -174,7 +197,10 @@ def hf_name(lex_name_: str) -> str:
 
 
 def source_window(hf_config) -> int | None:
-    """The source's sliding window (every layer the same), None for full attention."""
+    """The source's sliding window (every layer the same), None for full attention (Gemma's global layers: its
+    sliding layers are local layers, `gemma_fields`)."""
+    if hf_config.model_type in GEMMA_TYPES:
+        return None
     if hf_config.model_type in ("mistral", "phi3"):  # their models apply sliding_window on every layer
         return hf_config.sliding_window
     layer_types = getattr(hf_config, "layer_types", None)
@@ -192,16 +218,18 @@ def source_window(hf_config) -> int | None:
 def source_rope(hf_config) -> dict:
     """The source's one rope; which rope types a LexConfig computes is LexConfig's rule (validate_rope_type)."""
     rope = dict(hf_config.rope_parameters or {})
+    if hf_config.model_type == "gemma3_text":  # per layer type: the global layers' (the local ones': gemma_fields)
+        rope = dict(rope["full_attention"])
     if any(isinstance(value, dict) for value in rope.values()):
         raise ConversionError(f"rope_parameters per layer type ({', '.join(rope)}): a LexConfig has one rope")
     return rope
 
 
 def source_biases(hf_config) -> dict:
-    """Which projections carry biases: Llama's, Qwen3's and SmolLM3's attention_bias is on q/k/v/o, Qwen2's
-    biases are on q/k/v only; Mistral and Phi-3 have none."""
+    """Which projections carry biases: Llama's, Qwen3's, SmolLM3's and Gemma's attention_bias is on q/k/v/o,
+    Qwen2's biases are on q/k/v only; Mistral and Phi-3 have none."""
     model_type = hf_config.model_type
-    if model_type in ("llama", "qwen3", "smollm3"):
+    if model_type in ("llama", "qwen3", "smollm3", *GEMMA_TYPES):
         return dict(attention_bias=hf_config.attention_bias, attention_output_bias=hf_config.attention_bias,
                     mlp_bias=getattr(hf_config, "mlp_bias", False))
     return dict(attention_bias=model_type == "qwen2", attention_output_bias=False, mlp_bias=False)
@@ -223,8 +251,42 @@ def source_family(hf_config) -> dict:
             raise ConversionError(f"smollm3 no_rope_layers={list(hf_config.no_rope_layers)}: allowed: 0 or 1 per layer")
         flags = [bool(flag) for flag in hf_config.no_rope_layers]
         rope_layers = None if all(flags) else flags  # rotary on every layer: as any LEX model with rope
-    return dict(qk_norm=model_type == "qwen3", rope_layers=rope_layers,
-                hf_model_type=model_type if model_type in HF_MODEL_TYPES else None)
+    return dict(qk_norm=model_type in ("qwen3", "gemma3_text"), rope_layers=rope_layers,
+                hf_model_type=model_type if model_type in HF_MODEL_TYPES else None,
+                **(gemma_fields(hf_config) if model_type in GEMMA_TYPES else {}))
+
+
+def gemma_fields(hf_config) -> dict:
+    """The LexConfig fields of Gemma 2 and Gemma 3 (text): norms scaled by 1 + w, embeddings scaled by
+    sqrt(hidden) in the lookup, post-sublayer norms, query_pre_attn_scalar, soft-capping, and the sliding_attention
+    layers as local layers over their trained window (Gemma 3: with the sliding_attention rope). What no LexConfig
+    computes is refused by name: bidirectional attention, Gemma 3's attn_logit_softcapping (which its model never
+    applies), layer types other than full_attention and sliding_attention."""
+    model_type = hf_config.model_type
+    if hf_config.use_bidirectional_attention:
+        raise ConversionError(f"{model_type} use_bidirectional_attention={hf_config.use_bidirectional_attention}: "
+                              "LEX models are causal (allowed: False or None)")
+    if model_type == "gemma3_text" and hf_config.attn_logit_softcapping is not None:
+        raise ConversionError(f"gemma3_text attn_logit_softcapping={hf_config.attn_logit_softcapping}: transformers' "
+                              "Gemma 3 never applies it, a LEX model would (allowed: None)")
+    layer_types = list(hf_config.layer_types)
+    if not set(layer_types) <= {"full_attention", "sliding_attention"}:
+        raise ConversionError(f"{model_type} layer_types={layer_types}: allowed per layer: full_attention, "
+                              "sliding_attention")
+    local = [kind == "sliding_attention" for kind in layer_types]
+    window = hf_config.sliding_window
+    if any(local) and window is None:
+        raise ConversionError(f"{model_type} sliding_window=None with sliding_attention layers: a local layer needs "
+                              "its window")
+    fields = dict(norm_type="gemma_rmsnorm", sublayer_output_norms=True, embedding_scale=hf_config.hidden_size**0.5,
+                  embedding_scale_in_lookup=True, query_pre_attn_scalar=hf_config.query_pre_attn_scalar,
+                  attn_logit_softcapping=hf_config.attn_logit_softcapping,
+                  final_logit_softcapping=hf_config.final_logit_softcapping)
+    if window is not None:  # kept with all-global layers too, so that it goes back
+        fields.update(local_layers=local, local_attention_window=window)
+        if model_type == "gemma3_text":
+            fields["local_rope_parameters"] = dict(hf_config.rope_parameters["sliding_attention"])
+    return fields
 
 
 def xpos_scale_base(max_position_embeddings: int) -> float:
@@ -237,8 +299,8 @@ def lex_config_from_hf(
     attention_sinks: int = 0, attention_sink_positions: str = "cache", position_embedding_type: str = "rope",
     attention_memory_blocks: int = 0, attention_memory_block_size: int | None = None,
 ) -> LexConfig:
-    """The LexConfig of a Llama, Mistral, Qwen2, Qwen3, Phi-3 or SmolLM3 config, or a ConversionError naming
-    what it cannot express.
+    """The LexConfig of a Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Gemma 2 or Gemma 3 (text) config, or a
+    ConversionError naming what it cannot express.
 
     By default the LEX model computes what the source does (full attention, or the source's sliding window);
     `attention_mode` "blockwise" or "sliding" with `attention_window` (default: the source's sliding window, else
@@ -264,27 +326,29 @@ def lex_config_from_hf(
     if window is not None and (window < 4 or window % 2):
         raise ConversionError(f"{model_type} sliding_window={window}: a LEX attention_window is an even integer >= 4")
     rope = source_rope(hf_config)
-    if hf_config.hidden_act not in HF_ACTIVATIONS:
-        raise ConversionError(f"hidden_act={hf_config.hidden_act!r}: convertible: {', '.join(HF_ACTIVATIONS)}")
+    activation_field = "hidden_activation" if model_type in GEMMA_TYPES else "hidden_act"  # Gemma's own name
+    activation = getattr(hf_config, activation_field)
+    if activation not in HF_ACTIVATIONS:
+        raise ConversionError(f"{activation_field}={activation!r}: convertible: {', '.join(HF_ACTIVATIONS)}")
     length = hf_config.max_position_embeddings
     fields = dict(
         vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size,
         intermediate_size=hf_config.intermediate_size, num_hidden_layers=hf_config.num_hidden_layers,
         num_attention_heads=hf_config.num_attention_heads, num_key_value_heads=hf_config.num_key_value_heads,
         head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
-        hidden_act=HF_ACTIVATIONS[hf_config.hidden_act], max_position_embeddings=length,
+        hidden_act=HF_ACTIVATIONS[activation], max_position_embeddings=length,
         position_embedding_type=position_embedding_type, rope_parameters=rope,
         attention_mode=attention_mode or ("sliding" if window else "full"),
         attention_window=attention_window or window or length + length % 2, attention_sinks=attention_sinks,
         attention_sink_positions=attention_sink_positions, attention_memory_blocks=attention_memory_blocks,
         **({} if attention_memory_block_size is None else {"attention_memory_block_size": attention_memory_block_size}),
         norm_type="rmsnorm", rms_norm_eps=hf_config.rms_norm_eps, mlp_type="gated", **source_biases(hf_config),
-        **source_family(hf_config),
         normalize_before=True, subln=False, deepnorm=False, layernorm_embedding=False, embedding_scale=1.0,
         attention_dropout=hf_config.attention_dropout, initializer_range=hf_config.initializer_range,
         tie_word_embeddings=hf_config.tie_word_embeddings, pad_token_id=hf_config.pad_token_id,
         bos_token_id=hf_config.bos_token_id, eos_token_id=hf_config.eos_token_id,
     )
+    fields.update(source_family(hf_config))  # a family's own fields (Gemma's norm_type and embedding_scale too)
     if position_embedding_type == "xpos":
         fields["xpos_scale_base"] = xpos_scale_base(length)
     try:
@@ -314,10 +378,12 @@ def hf_family(config: LexConfig) -> str | None:
 
 
 def family_config(config: LexConfig, family: str, common: dict) -> PreTrainedConfig:
-    """The Qwen3, Phi-3 or SmolLM3 config computing what `config` does, or a ConversionError naming the field."""
-    if (family == "qwen3") != config.qk_norm:
-        refuse_field(config, "qk_norm", f"hf_model_type={family!r} {'has' if family == 'qwen3' else 'has no'} "
-                                        f"per-head q/k norms (allowed: {family == 'qwen3'})")
+    """The Qwen3, Phi-3, SmolLM3, Gemma 2 or Gemma 3 config computing what `config` does, or a ConversionError
+    naming the field."""
+    qk_norm = family in ("qwen3", "gemma3_text")
+    if qk_norm != config.qk_norm:
+        refuse_field(config, "qk_norm", f"hf_model_type={family!r} {'has' if qk_norm else 'has no'} "
+                                        f"per-head q/k norms (allowed: {qk_norm})")
     if config.rope_layers is not None and family != "smollm3":
         refuse_field(config, "rope_layers", f"hf_model_type={family!r} rotates every layer; only SmolLM3 has layers "
                                             "without rotary (allowed: None)")
@@ -328,6 +394,8 @@ def family_config(config: LexConfig, family: str, common: dict) -> PreTrainedCon
                                         f"none (allowed: {all_or_none})")
     if config.mlp_bias and family != "smollm3":
         refuse_field(config, "mlp_bias", f"hf_model_type={family!r} has no MLP biases (allowed: False)")
+    if family in GEMMA_TYPES:
+        return gemma_config(config, family, common)
     sliding = config.attention_mode == "sliding"
     window = config.attention_window if sliding else None
     if family != "qwen3" and config.head_dim == config.hidden_size // config.num_attention_heads:
@@ -344,10 +412,37 @@ def family_config(config: LexConfig, family: str, common: dict) -> PreTrainedCon
                          no_rope_layers=[int(flag) for flag in rope_layers], **windows)
 
 
+def gemma_config(config: LexConfig, family: str, common: dict) -> PreTrainedConfig:
+    """The Gemma2Config or Gemma3TextConfig computing what `config` does: its global layers attend fully, its local
+    layers slide over `local_attention_window` (Gemma 2 with the global rope, Gemma 3 with its own)."""
+    if config.attention_mode != "full":
+        refuse_field(config, "attention_mode", f"hf_model_type={family!r} has global layers with full attention and "
+                                               "local layers that slide (allowed: 'full')")
+    if family == "gemma2" and config.local_rope_parameters not in (None, config.rope_parameters):
+        refuse_field(config, "local_rope_parameters", "Gemma 2 rotates local and global layers alike (allowed: None)")
+    if family == "gemma3_text" and config.attn_logit_softcapping is not None:
+        refuse_field(config, "attn_logit_softcapping", "transformers' Gemma 3 never caps attention scores (allowed: "
+                                                       "None)")
+    fields = {k: v for k, v in common.items() if k != "hidden_act"}
+    local = config.local_layers or [False] * config.num_hidden_layers
+    fields.update(
+        hidden_activation=config.hidden_act, attention_bias=config.attention_bias,
+        query_pre_attn_scalar=config.query_pre_attn_scalar or config.head_dim,
+        sliding_window=config.local_attention_window,
+        layer_types=["sliding_attention" if flag else "full_attention" for flag in local],
+        final_logit_softcapping=config.final_logit_softcapping,
+    )
+    if family == "gemma2":
+        return Gemma2Config(**fields, attn_logit_softcapping=config.attn_logit_softcapping)
+    fields["rope_parameters"] = {"full_attention": dict(config.rope_parameters),
+                                 "sliding_attention": dict(config.local_rope_parameters or config.rope_parameters)}
+    return Gemma3TextConfig(**fields)
+
+
 def hf_config_from_lex(config: LexConfig) -> PreTrainedConfig:
     """The Llama (full attention), Mistral (sliding) or Qwen2 (q/k/v biases only) config computing what `config`
-    does, or the Qwen3, Phi-3 or SmolLM3 one of its family (`hf_family`); else a ConversionError naming the first
-    field no HF architecture computes."""
+    does, or the Qwen3, Phi-3, SmolLM3, Gemma 2 or Gemma 3 one of its family (`hf_family`); else a ConversionError
+    naming the first field no HF architecture computes."""
     if not POSITION_METHODS[config.position_embedding_type].llama:
         refuse_field(config, "position_embedding_type",
                      "no HF architecture computes it (Llama, Mistral and Qwen2 rotate with RoPE: 'rope')")
@@ -362,11 +457,19 @@ def hf_config_from_lex(config: LexConfig) -> PreTrainedConfig:
     if config.attention_mode == "blockwise":
         refuse_field(config, "attention_mode", "no HF architecture computes blockwise causal attention (allowed: "
                                                "'full' -> Llama or Qwen2, 'sliding' -> Mistral or Qwen2)")
+    family = hf_family(config)
+    gemma = family in GEMMA_TYPES
     required = {"normalize_before": True, "subln": False, "deepnorm": False, "layernorm_embedding": False,
-                "norm_type": "rmsnorm", "mlp_type": "gated", "embedding_scale": 1.0}
+                "norm_type": "gemma_rmsnorm" if gemma else "rmsnorm", "mlp_type": "gated",
+                "embedding_scale": config.hidden_size**0.5 if gemma else 1.0, "embedding_scale_in_lookup": gemma,
+                "sublayer_output_norms": gemma}
+    if not gemma:  # Gemma's alone
+        required.update(query_pre_attn_scalar=None, attn_logit_softcapping=None, final_logit_softcapping=None,
+                        local_layers=None)
+    architecture = f"hf_model_type={family!r}" if gemma else "no HF Llama-family architecture"
     for field, value in required.items():
         if getattr(config, field) != value:
-            refuse_field(config, field, f"no HF Llama-family architecture computes it (allowed: {value!r})")
+            refuse_field(config, field, f"{architecture} computes it (allowed: {value!r})")
     common = dict(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
         num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
@@ -377,10 +480,9 @@ def hf_config_from_lex(config: LexConfig) -> PreTrainedConfig:
         attention_dropout=config.attention_dropout, initializer_range=config.initializer_range,
         pad_token_id=config.pad_token_id, bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
     )
-    family = hf_family(config)
     if family is not None:
         hf_config = family_config(config, family, common)
-        hf_config.architectures = [f"{type(hf_config).__name__.removesuffix('Config')}ForCausalLM"]
+        hf_config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hf_config.model_type]]
         hf_config.dtype = config.dtype
         return hf_config
     qkv_only = config.attention_bias and not config.attention_output_bias
@@ -422,7 +524,7 @@ def convert_tensor(target: str, sources: list[tuple[str, torch.Tensor]], config:
         ((name, tensor),) = sources
         start = 0
         for part, rows in fused_parts(name, config) or ():
-            if lex_name(part) == target:
+            if lex_name(part, config) == target:
                 name, tensor = part, tensor[start : start + rows]
                 break
             start += rows
@@ -454,9 +556,9 @@ def plan_names(shapes: dict[str, tuple[int, ...]], config: LexConfig, to_lex: bo
             continue  # recomputed from the config; a tied head is the embedding (what transformers loads too)
         if to_lex:
             for part, rows in fused_parts(name, config) or [(name, None)]:
-                plan[lex_name(part)] = ((name,), shape if rows is None else (rows, *shape[1:]))
+                plan[lex_name(part, config)] = ((name,), shape if rows is None else (rows, *shape[1:]))
             continue
-        target = hf_name(name)
+        target = hf_name(name, config)
         fused = fused_name(target, config)
         if fused is None:
             plan[target] = ((name,), shape)
@@ -479,8 +581,8 @@ def lex_from_hf(
     attention_sinks: int = 0, attention_sink_positions: str = "cache", position_embedding_type: str = "rope",
     attention_memory_blocks: int = 0, attention_memory_block_size: int | None = None,
 ) -> LexForCausalLM:
-    """A loaded LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM or
-    SmolLM3ForCausalLM as a LexForCausalLM, in memory.
+    """A loaded LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM,
+    SmolLM3ForCausalLM, Gemma2ForCausalLM or Gemma3ForCausalLM as a LexForCausalLM, in memory.
 
     The LEX model shares the source's tensors (the permuted q/k projections and q/k norms excepted; Phi-3's v and
     gate/up are row slices of its fused tensors), on its device and in its dtype, so no second copy of the weights
@@ -706,8 +808,8 @@ def convert_hf(
     attention_sinks: int = 0, attention_sink_positions: str = "cache", position_embedding_type: str = "rope",
     attention_memory_blocks: int = 0, attention_memory_block_size: int | None = None,
 ) -> LexConfig:
-    """A Llama, Mistral, Qwen2, Qwen3, Phi-3 or SmolLM3 folder (safetensors) or .gguf file -> a LEX folder;
-    returns its LexConfig.
+    """A Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Gemma 2 or Gemma 3 folder (safetensors) or .gguf file ->
+    a LEX folder; returns its LexConfig.
 
     At most one output shard (`max_shard_size`) of weights is held in memory. An existing OUT is refused unless
     `force`, and replaced only once the new folder is complete.
@@ -729,8 +831,8 @@ def convert_hf(
 
 def convert_to_hf(src_dir: str | Path, out_dir: str | Path, force: bool = False,
                   max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> PreTrainedConfig:
-    """A LEX folder with RoPE positions -> a Llama, Mistral, Qwen2, Qwen3, Phi-3 or SmolLM3 folder that
-    transformers loads without this package; returns its config. Refused, with nothing written, where no HF
+    """A LEX folder with RoPE positions -> a Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Gemma 2 or Gemma 3 folder
+    that transformers loads without this package; returns its config. Refused, with nothing written, where no HF
     architecture computes the model."""
     src_dir = Path(src_dir)
     config = load_config(src_dir)

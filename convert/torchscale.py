@@ -392,9 +392,13 @@ def torchscale_options(config) -> dict:
             refuse_field(config, field_, "TorchScale's projections all have biases")
     backbone = {"norm_type": "layernorm", "mlp_type": "fc", "num_key_value_heads": config.num_attention_heads,
                 "head_dim": config.hidden_size // config.num_attention_heads}
-    for field_, value in backbone.items():
+    gemma = {"sublayer_output_norms": False, "query_pre_attn_scalar": None, "attn_logit_softcapping": None,
+             "final_logit_softcapping": None, "embedding_scale_in_lookup": False, "local_layers": None}
+    for field_, value in {**backbone, **gemma}.items():
         if getattr(config, field_) != value:
             refuse_field(config, field_, f"TorchScale's Decoder has only {field_}={value!r}")
+    if ("swish" if config.hidden_act == "silu" else config.hidden_act) not in TORCHSCALE_ACTIVATIONS:
+        refuse_field(config, "hidden_act", f"TorchScale's activations are {', '.join(TORCHSCALE_ACTIVATIONS)}")
     scaled = math.isclose(config.embedding_scale, math.sqrt(config.hidden_size), rel_tol=1e-12)
     if config.embedding_scale != 1.0 and not scaled:
         refuse_field(config, "embedding_scale", f"TorchScale scales embeddings by 1 or sqrt(hidden_size) = "

@@ -23,7 +23,7 @@ COMMANDS = {
     "generate": ("lex.commands.generate", "main", "generate from a long prompt with the bounded cache"),
     "convert-torchscale": ("lex.commands.convert", "main_from_torchscale", "TorchScale checkpoint -> HF folder"),
     "convert-to-torchscale": ("lex.commands.convert", "main_to_torchscale", "HF folder -> TorchScale state dict"),
-    "convert-hf": ("lex.commands.convert_hf", "main_convert_hf", "Llama-family / Qwen3 / Phi-3 / SmolLM3 -> LEX"),
+    "convert-hf": ("lex.commands.convert_hf", "main_convert_hf", "Llama-family / Qwen3 / Phi-3 / SmolLM3 / Gemma 2-3 -> LEX"),
     "convert-to-hf": ("lex.commands.convert_hf", "main_convert_to_hf", "LEX folder (rope) -> its HF family"),
     "export": ("lex.commands.export", "main", "a Hub-ready folder loadable with trust_remote_code"),
 }

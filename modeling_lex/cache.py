@@ -458,7 +458,8 @@ class LexStaticCache(StaticCache):
                 raise ValueError("LexStaticCache in attention_mode='full' needs max_cache_len (the longest stream)")
             window_slots = max_cache_len
         else:
-            window_slots = config.attention_window - 1
+            # (local layers read their own window from the same slots: the wider of the two)
+            window_slots = max(config.attention_window, config.local_attention_window or 0) - 1
             if max_cache_len is not None and max_cache_len <= sink_slots + window_slots:
                 window_slots, sink_slots = max_cache_len, 0
         init_cache_layers(self, [LexStaticLayer(window_slots, sink_slots) for _ in range(config.num_hidden_layers)])

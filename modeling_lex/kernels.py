@@ -20,13 +20,16 @@ def eager_attention_forward(
     scaling: float,
     dropout: float = 0.0,
     position_bias: torch.Tensor | None = None,
+    softcap: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference attention: softmax(q k^T * scaling + bias, masked) v in float32 softmax; grouped key/value heads
-    are repeated for their query heads."""
+    """Reference attention: softmax(q k^T * scaling [capped: softcap * tanh(. / softcap)] + bias, masked) v in
+    float32 softmax; grouped key/value heads are repeated for their query heads."""
     groups = query.shape[1] // key.shape[1]
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if softcap is not None:  # Gemma 2's cap, before the mask
+        scores = torch.tanh(scores / softcap) * softcap
     if position_bias is not None:
         scores = scores + position_bias
     if attention_mask is None:
@@ -131,6 +134,8 @@ def run_attention(
                           dim=2)
         mask = tile.mask
         bias = None if tile.distance is None else module.learned_bias(tile.distance).to(q.dtype)
+        if module.softcap is not None:  # capped scores: the eager computation (LexAttention picks it)
+            kwargs = {**kwargs, "softcap": module.softcap}
         out, weights = interface(
             module, q, k, v, mask, dropout=dropout, scaling=module.scaling, position_bias=bias, is_causal=True,
             **kwargs,

@@ -3,7 +3,8 @@
 Reads top to bottom: norm -> feed-forward -> attention -> layer -> model -> causal-LM head. The layer math is
 TorchScale's `DecoderLayer` (pre/post norm, subln, deepnorm), so TorchScale checkpoints convert without loss,
 with the modern backbone of the Llama family beside it (grouped-query attention, RMSNorm, a gated MLP, per-head
-q/k norms, layers without rotary), so Llama, Mistral, Qwen2, Qwen3, Phi-3 and SmolLM3 checkpoints do too. Beside
+q/k norms, layers without rotary; Gemma's norms, soft-capping and local layers), so Llama, Mistral, Qwen2, Qwen3,
+Phi-3, SmolLM3, Gemma 2 and Gemma 3 checkpoints do too. Beside
 it: position methods (`positions.py`, formulas in `xpos.py`), who sees whom (`visibility.py`), the stream's
 bookkeeping (`stream.py`), the bounded caches (`cache.py`), masks and the attention plan (`masking.py`), the
 attention kernels (`kernels.py`) and the generate() glue (`generation.py`).
@@ -15,6 +16,7 @@ import math
 import torch
 from torch import nn
 from transformers import AutoModel, AutoModelForCausalLM
+from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -39,21 +41,27 @@ from .xpos import sinusoidal_embedding
 logger = logging.get_logger(__name__)
 ACTIVATIONS = {
     "gelu": nn.functional.gelu, "relu": nn.functional.relu, "swish": nn.functional.silu, "silu": nn.functional.silu,
+    "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
 }
 
 
 class LexRMSNorm(nn.Module):
     """RMSNorm as Llama computes it: normalised in float32, cast back, then scaled by the weight (torch's fused
     rms_norm gives Llama's numbers without its temporaries of the input's size; where the dtypes agree, the weight
-    scales the normalised tensor in place, which autograd records as it records the product)."""
+    scales the normalised tensor in place, which autograd records as it records the product). With `offset`
+    (Gemma's): scaled by 1 + weight in float32, then cast back; the weight starts at 0."""
 
-    def __init__(self, size: int, eps: float):
+    def __init__(self, size: int, eps: float, offset: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
+        self.weight = nn.Parameter(torch.zeros(size) if offset else torch.ones(size))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normalized = nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        normalized = nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        if self.offset:
+            return (normalized * (1.0 + self.weight.float())).to(x.dtype)
+        normalized = normalized.to(x.dtype)
         if normalized.dtype != self.weight.dtype:  # a float32 weight on a lower-precision input: a float32 product
             return self.weight * normalized
         return normalized.mul_(self.weight)
@@ -64,8 +72,8 @@ class LexRMSNorm(nn.Module):
 
 def make_norm(config: LexConfig, size: int) -> nn.Module:
     """The config's norm (every norm of a model is the same kind)."""
-    if config.norm_type == "rmsnorm":
-        return LexRMSNorm(size, eps=config.rms_norm_eps)
+    if config.norm_type in ("rmsnorm", "gemma_rmsnorm"):
+        return LexRMSNorm(size, eps=config.rms_norm_eps, offset=config.norm_type == "gemma_rmsnorm")
     return nn.LayerNorm(size, eps=config.layer_norm_eps)
 
 
@@ -117,7 +125,8 @@ class LexAttention(nn.Module):
         self.num_key_value_heads = config.num_key_value_heads
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads  # read by the backends
         self.head_dim = config.head_dim
-        self.scaling = self.head_dim**-0.5
+        self.scaling = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.softcap = config.attn_logit_softcapping  # read by the kernels (run_attention)
         self.is_causal = True
         size, inner, kv = config.hidden_size, self.num_heads * self.head_dim, self.num_key_value_heads * self.head_dim
         self.q_proj = nn.Linear(size, inner, bias=config.attention_bias)
@@ -157,7 +166,8 @@ class LexAttention(nn.Module):
             key, value = cache.update(key, value, self.layer_idx, cache_kwargs)
         dropout = self.config.attention_dropout if self.training else 0.0
         interface = eager_attention_forward
-        if not plan.attention_maps:  # maps come from the eager computation, whatever the backend
+        # Maps come from the eager computation, whatever the backend; so do capped scores (SDPA cannot cap them).
+        if not plan.attention_maps and self.softcap is None:
             interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, interface)
         output, weights = run_attention(self, interface, query, key, value, plan, dropout, **kwargs)
         output = output.reshape(batch, length, -1)
@@ -190,11 +200,19 @@ class LexDecoderLayer(GradientCheckpointingLayer):
         self.self_attn_layer_norm = make_norm(config, config.hidden_size)
         self.mlp = LexMLP(config)
         self.final_layer_norm = make_norm(config, config.hidden_size)
+        # Gemma's norms on each sublayer's output, before the residual sum.
+        outputs = config.sublayer_output_norms
+        self.post_self_attn_layer_norm = make_norm(config, config.hidden_size) if outputs else None
+        self.post_mlp_layer_norm = make_norm(config, config.hidden_size) if outputs else None
         self.dropout = nn.Dropout(config.hidden_dropout)
 
-    def _residual(self, x: torch.Tensor, out: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    def _residual(self, x: torch.Tensor, out: torch.Tensor, norm: nn.Module, out_norm: nn.Module | None
+                  ) -> torch.Tensor:
         """x * alpha + dropout(out), then the norm in post-norm layers (no full-size multiply by alpha = 1, no
-        dropout call outside training: both measured per layer on a 30-layer checkpoint)."""
+        dropout call outside training: both measured per layer on a 30-layer checkpoint); `out_norm`, if any,
+        normalises the sublayer's output first."""
+        if out_norm is not None:
+            out = out_norm(out)
         if self.training:
             out = self.dropout(out)
         out = (x if self.alpha == 1.0 else x * self.alpha) + out
@@ -210,10 +228,10 @@ class LexDecoderLayer(GradientCheckpointingLayer):
         norm = self.self_attn_layer_norm
         attended, _ = self.self_attn(norm(hidden_states) if self.normalize_before else hidden_states, plan=plan,
                                      cache=cache, **kwargs)
-        hidden_states = self._residual(hidden_states, attended, norm)
+        hidden_states = self._residual(hidden_states, attended, norm, self.post_self_attn_layer_norm)
         norm = self.final_layer_norm
         return self._residual(hidden_states, self.mlp(norm(hidden_states) if self.normalize_before else hidden_states),
-                              norm)
+                              norm, self.post_mlp_layer_norm)
 
 
 class LexPreTrainedModel(PreTrainedModel):
@@ -235,6 +253,8 @@ class LexPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
+        if isinstance(module, LexRMSNorm) and module.offset:
+            init.zeros_(module.weight)  # scaled by 1 + weight: the identity at 0
         if isinstance(module, LexAttention):
             module.position_method.init_parameters(module)
 
@@ -249,15 +269,26 @@ class LexModel(LexPreTrainedModel):
         self.layers = nn.ModuleList([LexDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = make_norm(config, config.hidden_size) if config.normalize_before else None
         self.position_method = position_method(config)
+        # The local layers' view of the config (sliding over their own window, their own rope) and its positions.
+        self.local_config = config.local_view() if config.local_layers is not None else None
+        self.local_position_method = position_method(self.local_config) if self.local_config is not None else None
         self.gradient_checkpointing = False
         self.post_init()
 
     def embed(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, position_ids: torch.Tensor):
-        """TorchScale's forward_embedding: scale, [absolute sinusoidal positions], [LayerNorm], dropout."""
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
+        """TorchScale's forward_embedding: scale (or Gemma's scaled lookup), [absolute sinusoidal positions],
+        [LayerNorm], dropout."""
         scale = self.config.embedding_scale
-        hidden = inputs_embeds if scale == 1.0 else inputs_embeds * scale  # Llama's scale: no full-size multiply
+        if self.config.embedding_scale_in_lookup:  # Gemma's: the lookup scales, by the scale in the weights' dtype
+            if inputs_embeds is None:
+                weight = self.embed_tokens.weight
+                rounded = torch.tensor(scale, dtype=torch.float32, device=weight.device).to(weight.dtype)
+                inputs_embeds = self.embed_tokens(input_ids) * rounded
+            hidden = inputs_embeds
+        else:
+            if inputs_embeds is None:
+                inputs_embeds = self.embed_tokens(input_ids)
+            hidden = inputs_embeds if scale == 1.0 else inputs_embeds * scale  # Llama's: no full-size multiply
         if self.config.absolute_position_embedding == "sinusoidal":
             if not torch.compiler.is_compiling() and position_ids.max() >= self.config.max_position_embeddings:
                 logger.warning_once(
@@ -311,11 +342,17 @@ class LexModel(LexPreTrainedModel):
         plan = build_plan(self.config, self.position_method, record, self.embed_tokens.weight.dtype,
                           attention_maps=bool(maps))
         hidden_states = self.embed(input_ids, inputs_embeds, record.context.query_positions)
-        rope_layers = self.config.rope_layers
-        positionless = without_positions(plan) if rope_layers is not None and not all(rope_layers) else None
+        rope_layers, local_layers = self.config.rope_layers, self.config.local_layers
+        plans = {}  # (local, rotary) -> the plan of such layers, made once per forward
         for index, layer in enumerate(self.layers):
-            layer_plan = plan if rope_layers is None or rope_layers[index] else positionless
-            hidden_states = layer(hidden_states, plan=layer_plan, cache=cache, **kwargs)
+            kind = (local_layers is not None and local_layers[index], rope_layers is None or rope_layers[index])
+            if kind not in plans:
+                layer_plan = plan
+                if kind[0]:  # a local layer: its own window and rope over the same record
+                    layer_plan = build_plan(self.local_config, self.local_position_method, record,
+                                            self.embed_tokens.weight.dtype, attention_maps=bool(maps))
+                plans[kind] = layer_plan if kind[1] else without_positions(layer_plan)
+            hidden_states = layer(hidden_states, plan=plans[kind], cache=cache, **kwargs)
         if isinstance(cache, LEX_CACHES):  # every layer ran: the cache keeps what the record says
             cache.commit(record)
         if self.norm is not None:
@@ -406,6 +443,9 @@ class LexForCausalLM(LexPreTrainedModel, LexGenerationMixin, GenerationMixin):
             )
         hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
         logits = self.lm_head(hidden_states)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # Gemma's soft-capped logits
+            logits = torch.tanh(logits / cap) * cap
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)

@@ -267,6 +267,8 @@ class Stream:
             block = self.config.bca_block_length
             first_needed = int((start + torch.div(first_seen - start, block, rounding_mode="floor") * block
                                 - block).min())
+        if self.config.local_layers is not None:  # local layers read their own sliding window from the same keys
+            first_needed = min(first_needed, first_seen - (self.config.local_attention_window - 1))
         return max(0, min(available, seen - first_needed)), floor
 
     def shrink(self) -> int:

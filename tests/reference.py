@@ -229,38 +229,47 @@ def llama_window_attention(model, mode: str, window: int, sinks: int, rule: str)
     S sinks, placed by `rule`: "true", at their own positions; "cache", StreamingLLM's positions within the cache
     (sink j just before the query's window, at distance S + (the query's offset in its window) - j), by undoing
     the rotation HF applied and rotating the query anew against each sink key. Naive: n x n scores in float32.
+    Gemma's local layers (layer_type "sliding_attention") keep their own sliding window (`sliding_window`), without
+    sinks, and its soft-capping (the `softcap` its layers pass) caps every score, the re-rotated sinks' included.
     Register it with `ALL_ATTENTION_FUNCTIONS.register(name, ...)` and `model.set_attn_implementation(name)`."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     rotary = model.model.rotary_emb
+    per_layer_type = hasattr(rotary, "layer_types")  # Gemma 3: a rope per layer type
 
-    def rotate(x, positions):
-        cos, sin = rotary(x, positions)
+    def rotate(x, positions, layer_type=None):
+        cos, sin = rotary(x, positions, layer_type) if per_layer_type else rotary(x, positions)
         return apply_rotary_pos_emb(x, x, cos, sin)[0]
 
-    def window_start(index):
+    def window_start(index, mode, window):
         if mode == "sliding":
             return (index - window + 1).clamp(min=0)
         block = window // 2
         return ((index // block - 1) * block).clamp(min=0)
 
-    def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, softcap=None, **kwargs):
+        layer_type = getattr(module, "layer_type", None)
+        local = layer_type == "sliding_attention"
+        layer_mode, layer_window = ("sliding", model.config.sliding_window) if local else (mode, window)
+        layer_sinks = 0 if local else sinks
         groups = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
         n = query.shape[2]
         index = torch.arange(n, device=query.device)
         q_index, k_index = index[:, None], index[None, :]
         scores = query @ key.transpose(-1, -2) * scaling
-        in_window = (k_index <= q_index) & (k_index >= window_start(q_index))
-        as_sink = (k_index < sinks) & (k_index <= q_index) & ~in_window
+        in_window = (k_index <= q_index) & (k_index >= window_start(q_index, layer_mode, layer_window))
+        as_sink = (k_index < layer_sinks) & (k_index <= q_index) & ~in_window
         if rule == "cache" and getattr(module, "use_rope", True):  # SmolLM3's layers without rotary: nothing to move
-            query_raw = rotate(query, -index[None])
-            sink_keys = rotate(key[:, :, :sinks], -index[None, :sinks])
-            offset = index - window_start(index)
-            for j in range(min(sinks, n)):
-                placed = rotate(query_raw, (sinks + offset - j)[None])
+            query_raw = rotate(query, -index[None], layer_type)
+            sink_keys = rotate(key[:, :, :layer_sinks], -index[None, :layer_sinks], layer_type)
+            offset = index - window_start(index, layer_mode, layer_window)
+            for j in range(min(layer_sinks, n)):
+                placed = rotate(query_raw, (layer_sinks + offset - j)[None], layer_type)
                 scores[..., j] = torch.where(as_sink[:, j], (placed * sink_keys[:, :, j : j + 1]).sum(-1) * scaling,
                                              scores[..., j])
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         scores = scores.masked_fill(~(in_window | as_sink), float("-inf"))
         return (scores.softmax(-1, dtype=torch.float32).to(value.dtype) @ value).transpose(1, 2).contiguous(), None
 
@@ -268,7 +277,7 @@ def llama_window_attention(model, mode: str, window: int, sinks: int, rule: str)
 
 
 def use_window_attention(model, mode: str, window: int, sinks: int, rule: str = "cache"):
-    """Give transformers' Llama (or Qwen2, Qwen3, Mistral, Phi-3, SmolLM3: the same rotation)
+    """Give transformers' Llama (or Qwen2, Qwen3, Mistral, Phi-3, SmolLM3, Gemma 2, Gemma 3: the same rotation)
     `llama_window_attention` as its attention implementation; returns the model."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 

@@ -370,8 +370,8 @@ def missing_tensor(folder):
     (lambda f: save_source(f, source_model("qwen2_qkv_biases_tied", use_sliding_window=True, sliding_window=8,
                                            max_window_layers=1)), "per-layer windows that differ"),
     (lambda f: save_source(f, source_model("mistral_mqa_window", sliding_window=7)), "sliding_window=7"),
-    (lambda f: save_source(f, source_model("llama_yarn", hidden_act="gelu_pytorch_tanh")),
-     "hidden_act='gelu_pytorch_tanh'"),
+    (lambda f: save_source(f, source_model("llama_yarn", hidden_act="gelu_new")),  # (gelu_pytorch_tanh: Gemma's)
+     "hidden_act='gelu_new'"),
     (pickled_llama, "pickled weights (pytorch_model.bin)"),
     (missing_tensor, "missing tensors: model.layers.1.mlp.up_proj.weight"),
 ], ids=["gpt2", "dynamic_rope", "per_layer_windows", "odd_window", "activation", "pickle", "missing_tensor"])

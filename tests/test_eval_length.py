@@ -374,8 +374,8 @@ def test_eval_length_scores_a_gpt2_folder_as_published_and_says_which_modes_do_n
                 "full,blockwise,sliding", "--attention_sinks", "0,4", "--output_dir", str(out)]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if "do not apply" in line]
     assert lines == ["gpt2: a 'gpt2' model is scored as published (full attention); blockwise, sliding do not "
-                     "apply: only LEX models and llama, mistral, qwen2, qwen3, phi3, smollm3 checkpoints (converted "
-                     "in memory) take an attention mode"]
+                     "apply: only LEX models and llama, mistral, qwen2, qwen3, phi3, smollm3, gemma2, "
+                     "gemma3_text checkpoints (converted in memory) take an attention mode"]
     rows = json.loads((out / "results.json").read_text())
     assert {(r["attention_mode"], r["attention_sinks"]) for r in rows} == {("full", 0)}
     assert rows[-1]["ppl"] == pytest.approx(masked_nll(folder, [texts[0]], 16, None), rel=1e-5)

@@ -1,14 +1,16 @@
-"""Qwen3, Phi-3 and SmolLM3 checkpoints <-> LEX models (convert/hf.py): Qwen3's per-head q/k norms (`qk_norm`),
-Phi-3's fused qkv_proj and gate_up_proj (split on the way in, fused on the way out), SmolLM3's layers without
-rotary (`rope_layers`).
+"""Qwen3, Phi-3, SmolLM3, Gemma 2 and Gemma 3 checkpoints <-> LEX models (convert/hf.py): Qwen3's per-head q/k norms
+(`qk_norm`), Phi-3's fused qkv_proj and gate_up_proj (split on the way in, fused on the way out), SmolLM3's layers
+without rotary (`rope_layers`), Gemma's norms, embeddings, soft-capping and local layers (`local_layers`: their own
+sliding window and rope beside global layers that take the LEX mode).
 
 References are transformers' own classes, tiny and with every parameter perturbed: a converted model computes what
 its source computes (full mode, past the source's max_position_embeddings), and in blockwise and sliding modes
 what the source computes under an explicit window mask, or with its sinks re-rotated to their places in the
-cache (tests/reference.py). A Qwen3 and a Phi-3 `.gguf` written here with the gguf package's writer convert as
-transformers' GGUF loader reads them, and `lex eval-length` reads a Qwen3 folder in full and sliding modes with and
-without sinks; `lex generate` continues a SmolLM3 folder through a window with sinks, and `lex export` of a converted
-folder loads by remote code without this package. Everything runs in float32 on the CPU and nothing is downloaded.
+cache (tests/reference.py); Gemma's local layers keep their own window in both. A Qwen3, a Phi-3, a Gemma 2 and a
+Gemma 3 `.gguf` written here with the gguf package's writer convert as transformers' GGUF loader reads them, and
+`lex eval-length` reads a Qwen3 and a Gemma 3 folder in full and sliding modes with and without sinks; `lex generate`
+continues a SmolLM3 folder through a window with sinks, and `lex export` of a converted folder loads by remote code
+without this package. Everything runs in float32 on the CPU and nothing is downloaded.
 """
 
 import json
@@ -22,6 +24,10 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen3Config,
@@ -60,8 +66,31 @@ SOURCES = {  # name -> (config class, model class, fields on top of SIZES)
     "smollm3_biases_untied": (SmolLM3Config, SmolLM3ForCausalLM,
                               dict(num_hidden_layers=3, no_rope_layers=[0, 1, 1], attention_bias=True, mlp_bias=True,
                                    tie_word_embeddings=False)),
+    # Gemma 2: local and global layers alternating (local window 6, under the LEX window of the windowed tests),
+    # attention scores and logits soft-capped (caps small enough to bite at these logits' size).
+    "gemma2_gqa_tied": (Gemma2Config, Gemma2ForCausalLM,
+                        dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+                             sliding_window=6, attn_logit_softcapping=3.0, final_logit_softcapping=4.0,
+                             tie_word_embeddings=True)),
+    "gemma2_biases_untied": (Gemma2Config, Gemma2ForCausalLM,
+                             dict(num_hidden_layers=2, num_key_value_heads=1, head_dim=16, attention_bias=True,
+                                  sliding_window=8, final_logit_softcapping=None, tie_word_embeddings=False)),
+    # Gemma 3: 3 local layers (window 12, over the LEX window of the windowed tests, rope theta 1e4) around a global
+    # one (linear-scaled rope theta 1e6), q/k norms.
+    "gemma3_local_global_gqa_untied": (
+        Gemma3TextConfig, Gemma3ForCausalLM,
+        dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=12,
+             layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+             rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+             tie_word_embeddings=False)),
+    "gemma3_mqa_tied_capped": (Gemma3TextConfig, Gemma3ForCausalLM,
+                               dict(num_hidden_layers=2, num_key_value_heads=1, sliding_window=4,
+                                    final_logit_softcapping=4.0, tie_word_embeddings=True)),
 }
-WINDOWED = ["qwen3_gqa_untied", "phi3_gqa_untied", "smollm3_no_rope_gqa_tied"]
+WINDOWED = ["qwen3_gqa_untied", "phi3_gqa_untied", "smollm3_no_rope_gqa_tied", "gemma2_gqa_tied",
+            "gemma3_local_global_gqa_untied"]
+GEMMA = ("gemma2", "gemma3_text")
 
 
 def source_model(name: str, seed: int = 0, **overrides):
@@ -103,6 +132,16 @@ def window_mask(mode: str, length: int, window: int) -> torch.Tensor:
     return torch.zeros(length, length).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
 
 
+def source_window_mask(source, mode: str, length: int, window: int, batch: int = 2):
+    """The explicit window mask of `source` in `mode`: one (batch, 1, n, n) mask, or for Gemma one per layer type
+    (its model takes a mapping), its local (sliding_attention) layers keeping their own sliding window."""
+    mask = window_mask(mode, length, window).expand(batch, 1, -1, -1)
+    if source.config.model_type not in GEMMA:
+        return mask
+    local = window_mask("sliding", length, source.config.sliding_window).expand(batch, 1, -1, -1)
+    return {"full_attention": mask, "sliding_attention": local}
+
+
 def comparable(config) -> dict:
     """A config's fields as saved, less what says only where and how it was saved."""
     fields = config.to_dict()
@@ -119,10 +158,14 @@ def test_converted_model_equals_its_source_past_its_length(name):
     source = source_model(name)
     model = lex_from_hf(source)
     assert model.config.hf_model_type == source.config.model_type
-    assert model.config.qk_norm == (source.config.model_type == "qwen3")
-    window = source.config.to_dict().get("sliding_window")
+    gemma = source.config.model_type in GEMMA
+    assert model.config.qk_norm == (source.config.model_type in ("qwen3", "gemma3_text"))
+    window = None if gemma else source.config.to_dict().get("sliding_window")
     assert (model.config.attention_mode, model.config.attention_window) == (
         ("sliding", window) if window else ("full", LENGTH))
+    if gemma:  # its sliding layers: local layers over their own window
+        assert model.config.local_layers == [kind == "sliding_attention" for kind in source.config.layer_types]
+        assert model.config.local_attention_window == source.config.sliding_window
     tokens = ids(2, LONG)
     assert_same_logits(logits(model, tokens), logits(source, tokens))
     prompt = tokens[:1, :40]
@@ -134,6 +177,36 @@ def test_smollm3_layers_without_rotary_are_kept_per_layer():
     assert model.config.rope_layers == [True, False, True, False]
     every_layer = lex_from_hf(source_model("smollm3_no_rope_gqa_tied", no_rope_layers=[1, 1, 1, 1]))
     assert every_layer.config.rope_layers is None and every_layer.config.hf_model_type == "smollm3"
+
+
+def test_gemma_soft_capping_local_windows_and_local_rope_each_matter():
+    """The equalities above are no accident of tiny configs: without Gemma 2's caps, or with Gemma 3's local layers
+    given the global window or rope, the converted model computes something else."""
+    tokens = ids(2, LONG)
+    capped = lex_from_hf(source_model("gemma2_gqa_tied"))
+    expected = logits(capped, tokens)
+    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+        uncapped = lex_from_hf(source_model("gemma2_gqa_tied", **{field: None}))
+        assert (logits(uncapped, tokens) - expected).abs().max() > 1e-2, field
+    local = source_model("gemma3_local_global_gqa_untied")
+    expected = logits(lex_from_hf(local), tokens)
+    same_rope = {kind: {"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0}
+                 for kind in ("full_attention", "sliding_attention")}
+    for overrides in (dict(sliding_window=None, layer_types=["full_attention"] * 4), dict(rope_parameters=same_rope)):
+        other = lex_from_hf(source_model("gemma3_local_global_gqa_untied", **overrides))
+        assert (logits(other, tokens) - expected).abs().max() > 1e-2, overrides
+
+
+def test_gemma_embeddings_are_scaled_in_their_dtype_as_gemma_scales_them():
+    """In bfloat16 Gemma multiplies by sqrt(hidden) rounded to bfloat16 (sqrt(96) = 9.798 becomes 9.8125): a converted
+    model's embeddings are the same bits, which the product by the float scale is not."""
+    source = source_model("gemma3_mqa_tied_capped", hidden_size=96, num_attention_heads=4).to(torch.bfloat16)
+    model = lex_from_hf(source)
+    tokens = ids(2, 20)
+    with torch.no_grad():
+        expected = source.model.embed_tokens(tokens)
+        assert torch.equal(model.model.embed(tokens, None, tokens), expected)
+        assert not torch.equal(model.model.embed_tokens(tokens) * 96**0.5, expected)  # the float product differs
 
 
 def test_phi3_in_memory_conversion_slices_the_fused_tensors_without_copies():
@@ -157,12 +230,13 @@ def test_windowed_conversion_equals_the_source_under_its_window(name, mode, sink
     if sinks:  # the source with its sinks placed where a converted model sees them: within the cache
         expected = logits(reference.use_window_attention(source_model(name), mode, window, sinks), tokens)
     else:
-        expected = logits(source, tokens, attention_mask=window_mask(mode, length, window).expand(2, 1, -1, -1))
+        expected = logits(source, tokens, attention_mask=source_window_mask(source, mode, length, window))
     assert_same_logits(logits(model, tokens), expected)
     assert (logits(source, tokens) - expected).abs().max() > 1e-2  # the window matters at this length
 
 
-@pytest.mark.parametrize("name", ["smollm3_no_rope_gqa_tied", "qwen3_gqa_untied"])
+@pytest.mark.parametrize("name", ["smollm3_no_rope_gqa_tied", "qwen3_gqa_untied", "gemma2_gqa_tied",
+                                  "gemma3_local_global_gqa_untied"])
 def test_decoding_through_the_bounded_cache_with_sinks_equals_the_reference(name):
     """generate() through LEX's bounded caches (sliding w = 8, 4 sinks in the cache's frame): each step picks what
     the source picks in one full forward under the same window, sinks re-rotated only in layers with rotary."""
@@ -184,10 +258,13 @@ def test_decoding_through_the_bounded_cache_with_sinks_equals_the_reference(name
 
 
 @pytest.mark.parametrize("name", SOURCES)
-def test_folder_round_trip_gives_the_source_class_config_and_weights_back(name, tmp_path):
+def test_folder_round_trip_gives_the_source_class_config_and_weights_back(name, tmp_path, capsys):
     source = source_model(name)
     source.save_pretrained(tmp_path / "src")
     assert lex(["convert-hf", str(tmp_path / "src"), str(tmp_path / "lex")]) == 0
+    if name == "gemma3_local_global_gqa_untied":  # the summary names the local layers
+        summary = capsys.readouterr().out
+        assert "; 3 of the layers local, sliding over their own window 12 with their own rope" in summary
     converted = AutoModelForCausalLM.from_pretrained(tmp_path / "lex")
     assert converted.config.model_type == "lex"
     tokens = ids(2, LONG)
@@ -230,6 +307,16 @@ def test_a_sliding_reading_goes_back_to_its_family_with_that_window(name, fields
     ("qwen3_gqa_untied", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
      "per-layer windows that differ"),
     ("smollm3_no_rope_gqa_tied", dict(use_sliding_window=True, sliding_window=8), "per-layer windows that differ"),
+    ("gemma2_gqa_tied", dict(use_bidirectional_attention=True), "gemma2 use_bidirectional_attention=True: LEX models "
+                                                                "are causal"),
+    ("gemma3_mqa_tied_capped", dict(attn_logit_softcapping=5.0), "gemma3_text attn_logit_softcapping=5.0: "
+                                                                  "transformers' Gemma 3 never applies it"),
+    ("gemma3_mqa_tied_capped", dict(hidden_activation="gelu_new"), "hidden_activation='gelu_new': convertible"),
+    ("gemma2_gqa_tied", dict(sliding_window=7), "LexConfig.local_attention_window=7 must be an even integer"),
+    ("gemma3_mqa_tied_capped", dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                                     "sliding_attention": {"rope_type": "dynamic", "rope_theta": 1e4,
+                                                                           "factor": 2.0}}),
+     "local_rope_parameters['rope_type']='dynamic' is not supported"),
 ])
 def test_what_a_family_computes_that_lex_cannot_is_refused_by_name(name, overrides, message):
     with pytest.raises(ConversionError, match="^[^\n]*$") as error:
@@ -259,17 +346,42 @@ def test_what_the_family_does_not_compute_is_refused_on_the_way_back(fields, fie
     assert not (tmp_path / "hf").exists()
 
 
+@pytest.mark.parametrize("name, change, field", [
+    ("gemma3_local_global_gqa_untied", dict(attention_mode="sliding", attention_window=8), "attention_mode"),
+    ("gemma2_gqa_tied", dict(local_rope_parameters={"rope_type": "default", "rope_theta": 100.0}),
+     "local_rope_parameters"),
+    ("gemma3_mqa_tied_capped", dict(attn_logit_softcapping=5.0), "attn_logit_softcapping"),
+    ("gemma2_gqa_tied", dict(embedding_scale=2.0), "embedding_scale"),
+    ("gemma2_gqa_tied", dict(sublayer_output_norms=False), "sublayer_output_norms"),
+    ("gemma3_mqa_tied_capped", dict(hf_model_type=None), "norm_type"),
+])
+def test_what_gemma_does_not_compute_is_refused_on_the_way_back(name, change, field, tmp_path):
+    """A converted Gemma read through a LEX window, or changed where Gemma has no such option, goes back nowhere:
+    the refusal names the field; a Gemma config without its hf_model_type is no Llama either."""
+    model = lex_from_hf(source_model(name), **{k: v for k, v in change.items() if k.startswith("attention_")})
+    for key, value in change.items():
+        if not key.startswith("attention_"):
+            setattr(model.config, key, value)
+    model.save_pretrained(tmp_path / "lex")
+    with pytest.raises(ConversionError, match="^[^\n]*$") as error:
+        convert_to_hf(tmp_path / "lex", tmp_path / "hf")
+    assert str(error.value).startswith(f"LexConfig.{field}=")
+    assert not (tmp_path / "hf").exists()
+
+
 # ---------------------------------------------------------------- a .gguf file and lex eval-length
 
 
 def write_gguf(path: Path, model) -> None:
-    """`model` (a Qwen3 or a Phi-3) as a float32 .gguf file under llama.cpp's names, written with the gguf package's
-    writer, with a tokenizer of its family's kind: Qwen3 a byte-level BPE of 97 tokens (95 characters and the
-    merges "ab" and "cd"), Phi-3 a sentencepiece vocabulary of 97 words."""
+    """`model` (a Qwen3, a Phi-3, a Gemma 2 or a Gemma 3) as a float32 .gguf file under llama.cpp's names, written
+    with the gguf package's writer, with a tokenizer of its family's kind: Qwen3 a byte-level BPE of 97 tokens (95
+    characters and the merges "ab" and "cd"), the others a sentencepiece vocabulary of 97 words. Gemma's norm
+    weights are stored as llama.cpp stores them, 1 + w, with its head size and sliding window."""
     import gguf
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    config, architecture = model.config, model.config.model_type
+    config, architecture = model.config, model.config.model_type.removesuffix("_text")  # llama.cpp's "gemma3"
+    gemma = config.model_type in GEMMA
     writer = gguf.GGUFWriter(path, architecture)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_block_count(config.num_hidden_layers)
@@ -277,7 +389,12 @@ def write_gguf(path: Path, model) -> None:
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters.get("full_attention", config.rope_parameters)  # Gemma 3's: per layer type
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if gemma:
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+        writer.add_sliding_window(config.sliding_window)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     if architecture == "qwen3":
@@ -297,9 +414,15 @@ def write_gguf(path: Path, model) -> None:
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_pad_token_id(0)
+    if gemma:  # GemmaTokenizer needs its unknown token named
+        writer.add_unk_token_id(0)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[architecture.upper()], config.num_hidden_layers)
     for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # the embedding (llama.cpp's Gemma 2 has no output tensor)
         module, kind = name.rsplit(".", 1)
+        if gemma and module.endswith("norm"):
+            tensor = tensor + 1
         writer.add_tensor(f"{names.get_name(module)}.{kind}", tensor.detach().float().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -311,6 +434,8 @@ def write_gguf(path: Path, model) -> None:
     # transformers' GGUF key map has no head_dim for Qwen3: 128, its default and every published Qwen3's
     ("qwen3_gqa_untied", dict(head_dim=128, num_attention_heads=2, num_key_value_heads=1)),
     ("phi3_gqa_untied", {}),
+    ("gemma2_gqa_tied", {}),
+    ("gemma3_local_global_gqa_untied", {}),
 ])
 def test_a_gguf_converts_as_transformers_loader_reads_it(name, overrides, tmp_path):
     """`lex convert-hf FILE.gguf` computes what the model transformers' GGUF loader reads computes (Phi-3's fused
@@ -346,11 +471,13 @@ def reference_ppl(model, documents: list[torch.Tensor], mask: torch.Tensor | Non
     return math.exp(nll / count)
 
 
-def test_eval_length_on_a_qwen3_folder_reads_full_and_sliding_with_and_without_sinks(tmp_path, capsys):
+@pytest.mark.parametrize("name", ["qwen3_gqa_untied", "gemma3_local_global_gqa_untied"])
+def test_eval_length_on_a_qwen3_or_gemma3_folder_reads_full_and_sliding_with_and_without_sinks(name, tmp_path, capsys):
     """Full attention is the checkpoint as published; sliding (w = 8) with 0 and 4 sinks is the checkpoint converted
-    in memory, equal to transformers' Qwen3 under the window's mask (with sinks: re-rotated within the cache)."""
-    folder = tmp_path / "qwen3"
-    source_model("qwen3_gqa_untied").save_pretrained(folder)
+    in memory, equal to transformers' Qwen3 or Gemma 3 under the window's mask (with sinks: re-rotated within the
+    cache; Gemma 3's local layers under their own window of 12)."""
+    folder = tmp_path / name
+    source_model(name).save_pretrained(folder)
     tokenizer, words = word_tokenizer()
     tokenizer.save_pretrained(folder)
     (tmp_path / "docs").mkdir()
@@ -369,19 +496,21 @@ def test_eval_length_on_a_qwen3_folder_reads_full_and_sliding_with_and_without_s
     documents = [torch.tensor(tokenizer(text, add_special_tokens=False).input_ids[:48]) for text in texts]
     source = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
     assert rows["full", 0] == pytest.approx(reference_ppl(source, documents, None), rel=1e-5)
-    assert rows["sliding", 0] == pytest.approx(reference_ppl(source, documents, window_mask("sliding", 48, 8)),
-                                               rel=1e-5)
+    windowed = source_window_mask(source, "sliding", 48, 8, batch=1)
+    assert rows["sliding", 0] == pytest.approx(reference_ppl(source, documents, windowed), rel=1e-5)
     reference.use_window_attention(source, "sliding", 8, 4)
     assert rows["sliding", 4] == pytest.approx(reference_ppl(source, documents, None), rel=1e-5)
     assert len({round(ppl, 6) for ppl in rows.values()}) == 3
 
 
-def test_lex_generate_continues_a_smollm3_folder_through_a_window_with_sinks(tmp_path, capsys):
-    """`lex generate SMOLLM3 --attention_mode sliding --attention_window 8 --attention_sinks 4` (converted in
-    memory): the continuation is transformers' SmolLM3 decoding greedily under the naive window attention with its
-    sinks within the cache, re-rotated only in the layers with rotary."""
-    folder = tmp_path / "smollm3"
-    source_model("smollm3_no_rope_gqa_tied", bos_token_id=None, eos_token_id=None).save_pretrained(folder)
+@pytest.mark.parametrize("name", ["smollm3_no_rope_gqa_tied", "gemma2_gqa_tied"])
+def test_lex_generate_continues_a_smollm3_or_gemma2_folder_through_a_window_with_sinks(name, tmp_path, capsys):
+    """`lex generate FOLDER --attention_mode sliding --attention_window 8 --attention_sinks 4` (converted in
+    memory): the continuation is transformers' SmolLM3 or Gemma 2 decoding greedily under the naive window attention
+    with its sinks within the cache, re-rotated only in the layers with rotary (Gemma 2's local layers under their
+    own window, its scores capped)."""
+    folder = tmp_path / name
+    source_model(name, bos_token_id=None, eos_token_id=None).save_pretrained(folder)
     tokenizer, words = word_tokenizer()
     tokenizer.save_pretrained(folder)
     text = " ".join(words[(7 * i) % 96] for i in range(40))
@@ -399,11 +528,12 @@ def test_lex_generate_continues_a_smollm3_folder_through_a_window_with_sinks(tmp
     assert "sliding attention, window 8, 4 attention sinks" in captured.err
 
 
-@pytest.mark.parametrize("name", ["qwen3_gqa_untied", "smollm3_no_rope_gqa_tied"])
+@pytest.mark.parametrize("name", ["qwen3_gqa_untied", "smollm3_no_rope_gqa_tied", "gemma2_gqa_tied",
+                                  "gemma3_local_global_gqa_untied"])
 def test_lex_export_of_a_converted_folder_loads_by_remote_code_without_this_package(name, tmp_path):
-    """A converted Qwen3 (q/k norms) or SmolLM3 (layers without rotary), read through a window with sinks, exported
-    with `lex export`: transformers loads it from the folder's own code, in a process where this package cannot be
-    imported, and computes what the converted model computes."""
+    """A converted Qwen3 (q/k norms), SmolLM3 (layers without rotary) or Gemma (caps, local layers), read through a
+    window with sinks, exported with `lex export`: transformers loads it from the folder's own code, in a process
+    where this package cannot be imported, and computes what the converted model computes."""
     model = lex_from_hf(source_model(name), attention_mode="sliding", attention_window=8, attention_sinks=4)
     model.save_pretrained(tmp_path / "lex")
     word_tokenizer()[0].save_pretrained(tmp_path / "lex")

@@ -343,7 +343,8 @@ def test_the_same_command_run_again_after_kill_9_resumes_exactly(straight, train
     ("merge_without_peft", "--merge_adapter merges a LoRA adapter: it needs --use_peft"),
     ("missing_lora_target", "--lora_target_modules: gate_proj, up_proj, down_proj not in the model; its linear "
                             "modules: fc1, fc2, k_proj, lm_head, o_proj, q_proj, v_proj"),
-    ("retrofit_a_lex_folder", "--position_embedding_type xpos: it converts a llama, mistral, qwen2, qwen3, phi3, smollm3 checkpoint"),
+    ("retrofit_a_lex_folder", "--position_embedding_type xpos: it converts a llama, mistral, qwen2, qwen3, phi3, smollm3, "
+                              "gemma2, gemma3_text checkpoint"),
     ("conversion_of_a_new_model", "--attention_mode applies to a --model_name_or_path"),
 ])
 def test_bad_inputs_fail_clearly_and_keep_earlier_outputs(case, message, trained, corpus, tmp_path, lex_run):

@@ -10,8 +10,9 @@ from lex.models import DTYPES
 
 def convert_hf_parser() -> LexArgumentParser:
     parser = LexArgumentParser("convert-hf", description=hf.__doc__)
-    parser.add_argument("src", type=Path, help="a Llama, Mistral, Qwen2, Qwen3, Phi-3 or SmolLM3 folder, or a "
-                                                "Llama, Mistral, Qwen2, Qwen3 or Phi-3 .gguf file (or a folder of one)")
+    parser.add_argument("src", type=Path, help="a Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Gemma 2 or "
+                                                "Gemma 3 folder, or a .gguf file of one but SmolLM3 (or a folder "
+                                                "of one)")
     parser.add_argument("out", type=Path, help="the LEX folder to write")
     parser.add_argument("--attention_mode", choices=ATTENTION_MODES,
                         help="default: what the source computes (full, or sliding for a sliding window)")
@@ -55,14 +56,24 @@ def main_convert_hf(argv: list[str] | None = None) -> int:
           f"{config.num_attention_heads} heads / {config.num_key_value_heads} key-value heads, "
           f"{config.position_embedding_type} (rope_type {config.rope_parameters['rope_type']}), "
           f"{config.attention_mode} attention (window {config.attention_window}, {config.attention_sinks} sinks at "
-          f"{config.attention_sink_positions} positions{memory})")
+          f"{config.attention_sink_positions} positions{memory})" + local_layers(config))
     return 0
+
+
+def local_layers(config) -> str:
+    """What a summary adds for local layers (Gemma's): how many, and the window they keep."""
+    count = sum(config.local_layers or ())
+    if not count:
+        return ""
+    return (f"; {count} of the layers local, sliding over their own window {config.local_attention_window}"
+            f"{' with their own rope' if config.local_rope_parameters else ''}")
 
 
 def convert_to_hf_parser() -> LexArgumentParser:
     parser = LexArgumentParser("convert-to-hf", description=hf.__doc__)
     parser.add_argument("src", type=Path, help="a LEX folder with rope positions, full or sliding attention")
-    parser.add_argument("out", type=Path, help="the Llama, Mistral, Qwen2, Qwen3, Phi-3 or SmolLM3 folder to write")
+    parser.add_argument("out", type=Path, help="the Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Gemma 2 or Gemma 3 "
+                                                "folder to write")
     parser.add_argument("--force", action="store_true", help="replace an existing OUT")
     return parser
 

@@ -3,10 +3,11 @@
 --output_dir DIR`
 
 Perplexity by evaluation length (lex.perplexity: the paper's "segments" protocol and a "strided" one) for LEX
-folders and Llama, Mistral, Qwen2, Qwen3, Phi-3 or SmolLM3 folders or .gguf files (full attention as published;
-the other modes converted in memory) in every attention mode with each number of attention sinks (and each sink
-position rule asked for, and each number of block-memory blocks asked for: blockwise and sliding readings only,
-rows labelled attention_memory_blocks and attention_memory_block_size), and for any other causal LM as published. Prints the tables and writes results.csv,
+folders and Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Gemma 2 or Gemma 3 folders or .gguf files (full attention
+as published; the other modes converted in memory) in every attention mode with each number of attention sinks (and
+each sink position rule asked for, and each number of block-memory blocks asked for: blockwise and sliding readings
+only, rows labelled attention_memory_blocks and attention_memory_block_size), and for any other causal LM as
+published. Prints the tables and writes results.csv,
 results.json and ppl_vs_length.png; with --resolution the attention resolution per layer (resolution.json,
 resolution.png), with --passkey the passkey probe for every mode (passkey.json).
 """
@@ -35,7 +36,7 @@ def build_parser() -> LexArgumentParser:
     parser = LexArgumentParser("eval-length", description=__doc__)
     parser.add_argument("model", nargs="+",
                         help="model folders (a LEX folder, or any causal LM) or .gguf files (Llama, Mistral, "
-                             "Qwen2, Qwen3, Phi-3)")
+                             "Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3)")
     parser.add_argument("--files", help="globs of evaluation text files; default: the held-out KJV books")
     parser.add_argument("--lengths", default="256,512,1024,2048", type=positive_ints,
                         help="comma-separated evaluation lengths")

@@ -2,10 +2,10 @@
 
 generate() reads the prompt window by window (a progress bar counts it), then streams the continuation to
 stdout. In blockwise and sliding modes memory stays O(window + sinks) however long the prompt is. MODEL is a LEX
-folder, or a Llama, Mistral, Qwen2, Qwen3, Phi-3 or SmolLM3 folder or .gguf file (dequantized, with its
-tokenizer): as published by default (its own cache, which grows with the document), converted in memory to a LEX
-model by --attention_mode /
---attention_window / --attention_sinks (/ --attention_sink_positions) / --attention_memory_blocks.
+folder, or a Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Gemma 2 or Gemma 3 folder or .gguf file (dequantized,
+with its tokenizer): as published by default (its own cache, which grows with the document), converted in memory to a
+LEX model by --attention_mode / --attention_window / --attention_sinks (/ --attention_sink_positions) /
+--attention_memory_blocks.
 
 With a block memory past the window (--attention_memory_blocks K > 0, blocks of --attention_memory_block_size
 tokens; blockwise and sliding modes), the evicted keys and values are kept and the K best blocks are read by
@@ -35,8 +35,8 @@ from modeling_lex.generation import CACHE_NAME
 
 def build_parser() -> LexArgumentParser:
     parser = LexArgumentParser("generate", description=__doc__)
-    parser.add_argument("model", help="a LEX, Llama, Mistral, Qwen2, Qwen3, Phi-3 or SmolLM3 model folder (or "
-                                       "Hub id) with its tokenizer, or such a .gguf file")
+    parser.add_argument("model", help="a LEX, Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Gemma 2 or Gemma 3 "
+                                       "model folder (or Hub id) with its tokenizer, or such a .gguf file")
     parser.add_argument("--prompt_file", type=Path, required=True, help="UTF-8 text to continue")
     parser.add_argument("--max_new_tokens", type=int, default=200)
     parser.add_argument("--do_sample", action="store_true", help="sample instead of greedy decoding")
