@@ -1,8 +1,10 @@
 """Passkey recall past the window on the real checkpoint: full attention as published, the window + sinks, and the
 window + sinks with the block memory (`attention_memory_blocks`), keys at several depths of several lengths.
 
-The prompt (SmolLM2-135M-Instruct's chat template, one user turn, greedy): filler, a 5-digit key hidden at a depth
-of the document ("The pass key is KEY. Remember it. KEY is the pass key."), more filler, the question. Filler is
+The prompt (greedy, plain text): landmark attention's passkey prompt (an instruction, filler, a 5-digit key hidden
+at a depth of the document: "The pass key is KEY. Remember it. KEY is the pass key.", more filler, "What is the pass
+key? The pass key is"). In SmolLM2-135M-Instruct's chat template the checkpoint as published missed half the keys
+in full attention at 2k-4k tokens (3 of 6); in plain text it recalled 6 of 6. Filler is
 the landmark-attention sentences repeated (`repeated`) or natural text (`natural`: --filler_text, by default the
 42 works of ../shared/data/shakespeare, each key's filler from its own random place), the harder form. A key is
 recalled when the reply holds it. All readings of a key share its prompt; full attention as published reads the
@@ -35,19 +37,20 @@ def natural_text(folder: Path) -> str:
     return "\n\n".join(path.read_text(encoding="utf-8") for path in sorted(folder.glob("*.txt")))
 
 
+INSTRUCTION = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. I will "
+               "quiz you about the important information there.")
+
+
 def prompt_ids(tokenizer, length: int, depth: float, key: str, filler: list[int]) -> torch.Tensor:
-    """The chat prompt of about `length` tokens with the key at `depth` of its filler."""
+    """Landmark attention's passkey prompt of about `length` tokens, with the key at `depth` of its filler."""
     needle = tokenizer(f" The pass key is {key}. Remember it. {key} is the pass key. ", add_special_tokens=False
                        ).input_ids
-    question = tokenizer(QUESTION.strip(), add_special_tokens=False).input_ids
-    frame = tokenizer.apply_chat_template([{"role": "user", "content": "X"}], add_generation_prompt=True,
-                                          tokenize=False)
-    head, tail = frame.split("X")
-    head, tail = (tokenizer(part, add_special_tokens=False).input_ids for part in (head, tail))
-    body = length - len(head) - len(tail) - len(needle) - len(question)
-    text = (filler * (body // len(filler) + 1))[:body]
-    before = int(body * depth)
-    return torch.tensor(head + text[:before] + needle + text[before:] + question + tail)[None]
+    head = tokenizer(INSTRUCTION, add_special_tokens=False).input_ids
+    tail = tokenizer(QUESTION, add_special_tokens=False).input_ids
+    body = length - len(head) - len(tail) - len(needle)
+    text = filler[:body] if len(filler) >= body else filler * (body // len(filler))  # repeated: whole sentences
+    before = int(len(text) * depth)
+    return torch.tensor(head + text[:before] + needle + text[before:] + tail)[None]
 
 
 @torch.no_grad()
