@@ -1,5 +1,6 @@
 """`lex export`: a folder that loads with trust_remote_code where this package is not installed."""
 
+import copy
 import hashlib
 import json
 import os
@@ -311,7 +312,13 @@ def test_loads_with_remote_code_where_the_package_is_absent(model, exported, sha
         expected_logits = model(ids).logits
     expected_tokens = model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0)
     assert expected_tokens.shape[1] == 64 == 4 * TRAINING_LENGTH
-    torch.save({"ids": ids, "logits": expected_logits, "tokens": expected_tokens}, tmp_path / "expected.pt")
+    memory = copy.deepcopy(model)  # the same weights with a block memory past the window
+    memory.config.attention_mode, memory.config.attention_memory_blocks = "sliding", 2
+    memory.config.attention_memory_block_size = 4
+    with torch.no_grad():
+        memory_logits = memory(ids).logits
+    torch.save({"ids": ids, "logits": expected_logits, "tokens": expected_tokens, "memory": memory_logits},
+               tmp_path / "expected.pt")
 
     script = textwrap.dedent(f"""
         import importlib.util, sys, torch
@@ -331,6 +338,11 @@ def test_loads_with_remote_code_where_the_package_is_absent(model, exported, sha
                                                     attention_mode="full").eval()
         with torch.no_grad():  # the window is really applied: beyond it, full attention differs
             assert (full(expected["ids"]).logits[0, 16:] - logits[0, 16:]).abs().max() > 1e-3
+        memory = AutoModelForCausalLM.from_pretrained({str(exported)!r}, trust_remote_code=True,
+                                                      attention_mode="sliding", attention_memory_blocks=2,
+                                                      attention_memory_block_size=4).eval()
+        with torch.no_grad():  # the block memory (memory.py) comes with the remote code
+            torch.testing.assert_close(memory(expected["ids"]).logits, expected["memory"], atol=1e-5, rtol=1e-5)
         out = model.generate(expected["ids"], max_new_tokens=24, do_sample=False, pad_token_id=0,
                              return_dict_in_generate=True)
         assert torch.equal(out.sequences, expected["tokens"]), (out.sequences, expected["tokens"])
