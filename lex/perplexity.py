@@ -48,9 +48,10 @@ def _scored_states(model, ids: torch.Tensor) -> tuple[Iterator[tuple[int, torch.
     of its forward), so blockwise and sliding attention hold O(w) keys and activations for any length; full
     attention keeps every key, by nature. 2w rather than w: a forward of more than w new tokens runs each query
     against its <= w keys, one of w or fewer against all w + held keys (measured at w = 1024 on one CPU thread:
-    0.73 against 0.83 s per 1,024 tokens). With a block memory (`attention_memory_blocks` > 0), w tokens at a
-    time: the memory is read once per forward, by its last query, and the model refuses a forward of more than w
-    new tokens with it. Other causal LMs give their logits in one forward, as published.
+    0.73 against 0.83 s per 1,024 tokens). With a block memory (`attention_memory_blocks` > 0), as the model's
+    own long forward reads (`LexForCausalLM.reading_spans`: w tokens at a time, the last alone): the memory is read
+    once per forward, by its last query, and the model refuses a forward of more than w new tokens with it. Other
+    causal LMs give their logits in one forward, as published.
     """
     if model.config.model_type != "lex":
         return iter([(0, model(ids).logits)]), nn.Identity()
@@ -58,9 +59,11 @@ def _scored_states(model, ids: torch.Tensor) -> tuple[Iterator[tuple[int, torch.
     memory = getattr(model.config, "attention_memory_blocks", 0)  # (0 in configs saved before the memory)
 
     def stream() -> Iterator[tuple[int, torch.Tensor]]:
-        cache, step = None, window if memory else 2 * window
-        for start in range(0, ids.shape[1], step):
-            out = model.model(input_ids=ids[:, start : start + step], cache=cache, use_cache=True)
+        cache, length = None, ids.shape[1]
+        spans = (model.reading_spans(length) if memory  # as the model's own long forward reads it
+                 else [(start, min(start + 2 * window, length)) for start in range(0, length, 2 * window)])
+        for start, stop in spans:
+            out = model.model(input_ids=ids[:, start:stop], cache=cache, use_cache=True)
             cache = getattr(out, CACHE_NAME)
             yield start, out.last_hidden_state
 

@@ -370,10 +370,23 @@ class LexForCausalLM(LexPreTrainedModel, LexGenerationMixin, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    def reading_spans(self, length: int) -> list[tuple[int, int]]:
+        """The (start, stop) of each forward in which an input of `length` tokens is read through a LEX cache: w
+        tokens at a time, and with a block memory the last token alone (see `_prefill_in_blocks`)."""
+        stops = list(range(self.config.attention_window, length, self.config.attention_window)) + [length]
+        if memory_tokens(self.config) and length > 1:
+            stops = sorted(set(stops[:-1]) | {length - 1, length})
+        return list(zip([0] + stops[:-1], stops))
+
     def _prefill_in_blocks(
         self, input_ids, inputs_embeds, attention_mask, position_ids, cache: Cache, logits_to_keep, **kwargs
     ) -> BaseModelOutputWithPast:
         """Run a long input through the bounded cache w tokens at a time, so activations stay O(w), not O(n).
+
+        With a block memory the input's last token is read alone: a forward of T tokens retrieves once, for its last
+        query, and its later queries have a gap of up to T - 1 keys between the memory (what the cache had evicted
+        when the forward began) and their window; the token that predicts the next one then retrieves with its own
+        query and sees every evicted block, as each decoded token does.
 
         Only the hidden states that `logits_to_keep` asks for are kept (all of them when it is 0).
         """
@@ -382,8 +395,7 @@ class LexForCausalLM(LexPreTrainedModel, LexGenerationMixin, GenerationMixin):
             attention_mask = attention_mask[:, attention_mask.shape[1] - length :]
         keep_from = length - logits_to_keep if isinstance(logits_to_keep, int) and logits_to_keep > 0 else 0
         kept = []
-        for start in range(0, length, self.config.attention_window):
-            stop = min(start + self.config.attention_window, length)
+        for start, stop in self.reading_spans(length):
             out = self.model(
                 input_ids=None if input_ids is None else input_ids[:, start:stop],
                 inputs_embeds=None if inputs_embeds is None else inputs_embeds[:, start:stop],
@@ -420,6 +432,8 @@ class LexForCausalLM(LexPreTrainedModel, LexGenerationMixin, GenerationMixin):
                 cache.mark_removable(cache.seen + length - scored)
         wants_internals = kwargs.get("output_hidden_states") or kwargs.get("output_attentions")
         long = length > self.config.attention_window and not wants_internals
+        if memory_tokens(self.config) and length > 1 and not wants_internals:  # the last token alone (see there)
+            long = long or isinstance(cache, LexCache)
         if long and cache is None and memory_tokens(self.config):  # the memory fills while the input is read
             outputs = self._prefill_in_blocks(
                 input_ids, inputs_embeds, attention_mask, position_ids, LexCache(self.config), logits_to_keep,

@@ -27,6 +27,17 @@ def memory_config(**overrides):
     return tiny_config(**{**values, **overrides})
 
 
+def as_read(calls: list[int]) -> list[int]:
+    """The forwards the model runs for calls of these token counts with a block memory: w tokens at a time, the
+    last token of each call alone (LexForCausalLM._prefill_in_blocks)."""
+    forwards = []
+    for count in calls:
+        if count > 1:
+            forwards += [min(W, count - 1 - start) for start in range(0, count - 1, W)]
+        forwards.append(1)
+    return forwards
+
+
 def read(model, ids: torch.Tensor, forwards: list[int], cache: LexCache) -> torch.Tensor:
     """Logits of one row read through `cache` as `forwards` (token counts)."""
     logits, start = [], 0
@@ -48,15 +59,16 @@ def assert_reference(model, ids: torch.Tensor, forwards: list[int], logits: torc
 @pytest.mark.parametrize("mode", ["sliding", "blockwise"])
 @pytest.mark.parametrize("sinks", [0, 4])
 def test_cached_reading_matches_the_reference(method, mode, sinks):
-    """Prompt chunks (one across a block boundary), then decoding: the blocks each layer reads and the logits are
-    the reference's; the cache's memory holds every evicted token."""
+    """Prompt chunks (one across a block boundary; each call's last token read alone), then decoding: the blocks
+    each layer reads and the logits are the reference's; the cache's memory holds every evicted token."""
     config = memory_config(position_embedding_type=method, attention_mode=mode, attention_sinks=sinks)
     model = perturbed_model(config)
     ids = prompt(1, 60, seed=1)
-    forwards = [W, W - 3, 5, 1, 7] + [1] * 18
+    calls = [W, W - 3, 5, 1, 7] + [1] * 18
     cache = LexCache(config)
-    logits = read(model, ids, forwards, cache)
-    assert_reference(model, ids, forwards, logits)
+    logits = read(model, ids, calls, cache)
+    assert as_read(calls)[:4] == [W - 1, 1, W - 4, 1]
+    assert_reference(model, ids, as_read(calls), logits)
     assert cache.layers[0].memory.length == cache.seen - cache.held > BLOCKS * BLOCK
 
 
@@ -70,7 +82,7 @@ def test_long_forward_reads_through_the_memory(sinks):
     with torch.no_grad():
         out = model(ids)
         plain = model(ids, use_cache=False)
-    assert_reference(model, ids, [W, W, W, 5], out.logits[0])
+    assert_reference(model, ids, [W, W, W, 4, 1], out.logits[0])
     assert isinstance(out.cache, LexCache) and out.cache.memory_bytes > 0
     assert plain.cache is None
     torch.testing.assert_close(plain.logits, out.logits)
@@ -84,13 +96,14 @@ def test_base_model_refuses_a_long_input():
 
 @pytest.mark.parametrize("method", ["rope", "xpos"])
 def test_greedy_generate_matches_the_reference(method):
-    """generate(): the prompt in chunks of w, then one token a forward; each new token is the reference's argmax."""
+    """generate(): the prompt in chunks of w and its last token alone, then one token a forward; each new token is
+    the reference's argmax."""
     config = memory_config(position_embedding_type=method, attention_mode="blockwise", attention_sinks=4)
     model = perturbed_model(config, seed=3)
     ids = prompt(1, 2 * W + 9, seed=3)
     out = greedy(model, ids, max_new_tokens=12)
     tokens = out.sequences
-    forwards = [W, W, 9] + [1] * 11
+    forwards = [W, W, 8, 1] + [1] * 11
     expected = reference.memory_forward(model.state_dict(), config, tokens[0, :-1], forwards)
     generated = torch.stack(out.logits, dim=1)[0]
     torch.testing.assert_close(generated.double(), expected[ids.shape[1] - 1 :], atol=2e-5, rtol=0)
