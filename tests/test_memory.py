@@ -179,9 +179,10 @@ def test_store_size_before_its_first_complete_block():
 
 def test_refusals():
     """Full mode, sinks at true positions, the static cache and assisted decoding refuse the memory by name."""
-    with pytest.raises(StrictDataclassClassValidationError, match="attention_memory_blocks=2 with attention_mode='full'"):
+    invalid = StrictDataclassClassValidationError
+    with pytest.raises(invalid, match="attention_memory_blocks=2 with attention_mode='full'"):
         memory_config(attention_mode="full")
-    with pytest.raises(StrictDataclassClassValidationError, match="attention_sink_positions='true'.*allowed: 'cache'"):
+    with pytest.raises(invalid, match="attention_sink_positions='true'.*allowed: 'cache'"):
         memory_config(attention_sinks=4, attention_sink_positions="true")
     config = memory_config(attention_mode="sliding")
     with pytest.raises(ValueError, match="LexStaticCache with attention_memory_blocks=2"):
