@@ -13,11 +13,11 @@ The retrieval rule (one forward, one layer): the forward's last query q (per hea
 candidate block j (`MemoryRead.candidates`: complete, every token real, after the sinks of that query's document)
 as the sum over query heads h of max over the block's representatives r of q_h . r (each query head against its
 key/value head). The top min(k, candidates) blocks (of equal scores, the later) are read, in stream order, in the
-last of the k slots (the first are empty, masked). Slot s's token t sits at frame position -k*b + s*b + t: just before the query's window
-and after its sinks (visibility.memory_frame), the same for every layer. The store grows with the document by its
-keys' and values' bytes (the model's dtype) plus k/b's representatives; compute per token stays O(S + k*b + w).
-With `directory` set, the store lives in memory-mapped files there (unlinked at once: the pages stay the
-process's until it drops them, and the files vanish with it).
+last of the k slots (the first are empty, masked). Slot s's token t sits at frame position -k*b + s*b + t: just
+before the query's window and after its sinks (visibility.memory_frame), the same for every layer. The store grows
+with the document by its keys' and values' bytes (the model's dtype) plus the representatives (4 keys of each
+block); compute per token stays O(S + k*b + w). With `directory` set, the store lives in memory-mapped files there
+(unlinked at once: the pages stay the process's until it drops them, and the files vanish with it).
 """
 
 import os
