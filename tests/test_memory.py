@@ -17,7 +17,7 @@ from tests.helpers import PAD, W, greedy, perturbed_model, prompt, tiny_config
 
 pytestmark = pytest.mark.oldest  # also run on the oldest transformers we declare
 
-BLOCKS, BLOCK = 2, 3
+BLOCKS, BLOCK = 2, 5  # a block of more keys than its 4 representatives, not dividing w
 
 
 def memory_config(**overrides):
@@ -70,6 +70,31 @@ def test_cached_reading_matches_the_reference(method, mode, sinks):
     assert as_read(calls)[:4] == [W - 1, 1, W - 4, 1]
     assert_reference(model, ids, as_read(calls), logits)
     assert cache.layers[0].memory.length == cache.seen - cache.held > BLOCKS * BLOCK
+
+
+@pytest.mark.parametrize("method", ["rope", "xpos"])
+def test_decoding_from_the_first_token_matches_the_reference(method):
+    """Token by token from the start, so blocks complete one at a time and a forward has fewer candidate blocks than
+    slots (the first slots empty) before it has more."""
+    config = memory_config(position_embedding_type=method, attention_mode="sliding", attention_sinks=4,
+                           attention_memory_blocks=3)
+    model = perturbed_model(config, seed=11)
+    ids = prompt(1, 48, seed=11)
+    assert_reference(model, ids, [1] * 48, read(model, ids, [1] * 48, LexCache(config)))
+
+
+def test_blocks_of_equal_scores():
+    """A document that repeats one block's tokens: in the first layer blocks score exactly the same, and the reading
+    still equals the reference's. (Which of equal blocks is read shows only where blocks of equal scores hold other
+    keys; the rule, the later block, is the reference's.)"""
+    config = memory_config(position_embedding_type="rope", attention_mode="sliding", attention_sinks=0)
+    model = perturbed_model(config, seed=12)
+    ids = prompt(1, BLOCK, seed=12).repeat(1, 12)
+    margins = []
+    logits = read(model, ids, [1] * ids.shape[1], LexCache(config))
+    expected = reference.memory_forward(model.state_dict(), config, ids[0], [1] * ids.shape[1], margins)
+    assert min(margins) == 0.0  # exact ties were met
+    torch.testing.assert_close(logits.double(), expected, atol=2e-5, rtol=0)
 
 
 @pytest.mark.parametrize("sinks", [0, 4])
