@@ -12,6 +12,7 @@ from huggingface_hub.errors import StrictDataclassClassValidationError
 
 import modeling_lex  # noqa: F401
 from modeling_lex import LexCache, LexForCausalLM, LexStaticCache
+from modeling_lex.generation import CACHE_NAME  # the installed transformers' name of the cache
 from tests import reference
 from tests.helpers import PAD, W, greedy, perturbed_model, prompt, tiny_config
 
@@ -108,8 +109,8 @@ def test_long_forward_reads_through_the_memory(sinks):
         out = model(ids)
         plain = model(ids, use_cache=False)
     assert_reference(model, ids, [W, W, W, 4, 1], out.logits[0])
-    assert isinstance(out.cache, LexCache) and out.cache.memory_bytes > 0
-    assert plain.cache is None
+    assert isinstance(getattr(out, CACHE_NAME), LexCache) and getattr(out, CACHE_NAME).memory_bytes > 0
+    assert getattr(plain, CACHE_NAME) is None
     torch.testing.assert_close(plain.logits, out.logits)
 
 
@@ -162,11 +163,12 @@ def test_sampling_beams_and_a_returned_cache():
     ids = prompt(2, 2 * W, seed=7)
     torch.manual_seed(0)
     sampled = model.generate(ids, do_sample=True, max_new_tokens=6, pad_token_id=PAD, return_dict_in_generate=True)
-    assert sampled.cache.memory_bytes > 0
+    assert getattr(sampled, CACHE_NAME).memory_bytes > 0
     beams = model.generate(ids, num_beams=3, max_new_tokens=6, pad_token_id=PAD, return_dict_in_generate=True)
-    assert beams.sequences.shape == (2, 2 * W + 6) and beams.cache.memory_bytes > 0
+    assert beams.sequences.shape == (2, 2 * W + 6) and getattr(beams, CACHE_NAME).memory_bytes > 0
     first = greedy(model, ids, max_new_tokens=4)
-    more = model.generate(first.sequences, cache=first.cache, do_sample=False, max_new_tokens=4, pad_token_id=PAD)
+    more = model.generate(first.sequences, **{CACHE_NAME: getattr(first, CACHE_NAME)}, do_sample=False, max_new_tokens=4,
+                          pad_token_id=PAD)
     assert more.shape == (2, 2 * W + 8)
 
 
