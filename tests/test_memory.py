@@ -167,8 +167,8 @@ def test_sampling_beams_and_a_returned_cache():
     beams = model.generate(ids, num_beams=3, max_new_tokens=6, pad_token_id=PAD, return_dict_in_generate=True)
     assert beams.sequences.shape == (2, 2 * W + 6) and getattr(beams, CACHE_NAME).memory_bytes > 0
     first = greedy(model, ids, max_new_tokens=4)
-    more = model.generate(first.sequences, **{CACHE_NAME: getattr(first, CACHE_NAME)}, do_sample=False, max_new_tokens=4,
-                          pad_token_id=PAD)
+    returned = {CACHE_NAME: getattr(first, CACHE_NAME)}
+    more = model.generate(first.sequences, **returned, do_sample=False, max_new_tokens=4, pad_token_id=PAD)
     assert more.shape == (2, 2 * W + 8)
 
 
