@@ -81,6 +81,18 @@ def fairseq_sinusoidal(positions, dim):
     return torch.tensor(rows, dtype=torch.float64)
 
 
+def activation(config):
+    return {"gelu": torch.nn.functional.gelu, "relu": torch.relu, "swish": torch.nn.functional.silu,
+            "silu": torch.nn.functional.silu}[config.hidden_act]
+
+
+def norm(sd, config, x, p):
+    """The config's norm with the weights (and bias) named p in the float64 state dict `sd`."""
+    if config.norm_type == "rmsnorm":
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + config.rms_norm_eps) * sd[p + ".weight"]
+    return torch.nn.functional.layer_norm(x, x.shape[-1:], sd[p + ".weight"], sd[p + ".bias"], config.layer_norm_eps)
+
+
 def visible(mode, window, n, pad, sinks=0):
     """n x n bool: may query i see key j (indices in a row whose first `pad` tokens are padding).
 
@@ -131,13 +143,10 @@ def forward(state, config, input_ids, pad=0, positions=None, maps=None, layer_sc
     inv_freq, attention_factor = frequencies(config)
     if positions is None:
         positions = torch.clamp(torch.arange(n) - pad, min=0)
-    act = {"gelu": torch.nn.functional.gelu, "relu": torch.relu, "swish": torch.nn.functional.silu,
-           "silu": torch.nn.functional.silu}[config.hidden_act]
+    act = activation(config)
 
     def ln(x, p):
-        if config.norm_type == "rmsnorm":
-            return x / torch.sqrt((x * x).mean(-1, keepdim=True) + config.rms_norm_eps) * sd[p + ".weight"]
-        return torch.nn.functional.layer_norm(x, x.shape[-1:], sd[p + ".weight"], sd[p + ".bias"], config.layer_norm_eps)
+        return norm(sd, config, x, p)
 
     lin = lambda x, p: x @ sd[p + ".weight"].T + (sd[p + ".bias"] if p + ".bias" in sd else 0)
     x = sd["model.embed_tokens.weight"][input_ids] * config.embedding_scale
@@ -311,13 +320,10 @@ def memory_forward(state, config, input_ids, forwards, margins=None):
     kind = config.position_embedding_type
     options = dict(gamma=config.xpos_gamma, scale_base=config.xpos_scale_base, inv_freq=inv_freq,
                    attention_factor=attention_factor)
-    act = {"gelu": torch.nn.functional.gelu, "relu": torch.relu, "swish": torch.nn.functional.silu,
-           "silu": torch.nn.functional.silu}[config.hidden_act]
+    act = activation(config)
 
     def ln(x, p):
-        if config.norm_type == "rmsnorm":
-            return x / torch.sqrt((x * x).mean(-1, keepdim=True) + config.rms_norm_eps) * sd[p + ".weight"]
-        return torch.nn.functional.layer_norm(x, x.shape[-1:], sd[p + ".weight"], sd[p + ".bias"], config.layer_norm_eps)
+        return norm(sd, config, x, p)
 
     def lin(x, p):
         return x @ sd[p + ".weight"].T + (sd[p + ".bias"] if p + ".bias" in sd else 0)
