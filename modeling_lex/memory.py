@@ -12,12 +12,17 @@ natural filler).
 The retrieval rule (one forward, one layer): the forward's last query q (per head, before positions) scores every
 candidate block j (`MemoryRead.candidates`: complete, every token real, after the sinks of that query's document)
 as the sum over query heads h of max over the block's representatives r of q_h . r (each query head against its
-key/value head). The top min(k, candidates) blocks (of equal scores, the later) are read, in stream order, in the
-last of the k slots (the first are empty, masked). Slot s's token t sits at frame position -k*b + s*b + t: just
-before the query's window and after its sinks (visibility.memory_frame), the same for every layer. The store grows
-with the document by its keys' and values' bytes (the model's dtype) plus the representatives (4 keys of each
-block); compute per token stays O(S + k*b + w). With `directory` set, the store lives in memory-mapped files there
-(unlinked at once: the pages stay the process's until it drops them, and the files vanish with it).
+key/value head). The best floor(k / 3) blocks are read each with the blocks beside it, so that a passage cut by a
+block boundary is read whole; the slots left take the best of the rest (of equal scores, always the later block).
+These min(k, candidates) blocks are read in stream order, in the last of the k slots (the first are empty, masked).
+Slot s's token t sits at frame position -k*b + s*b + t: just before the query's window and after its sinks
+(visibility.memory_frame), the same for every layer. Tried on SmolLM2-135M (benchmarks/RESULTS.md): the best k
+blocks alone never read a passkey cut at token 2,048 of 4,096 whole; with a neighbour or both it was recalled; each
+key/value head choosing its own blocks read the key's block in more heads but lost a digit of a key l back.
+
+The store grows with the document by its keys' and values' bytes (the model's dtype) plus the representatives (4
+keys of each block); compute per token stays O(S + k*b + w). With `directory` set, the store lives in memory-mapped
+files there (unlinked at once: the pages stay the process's until it drops them, and the files vanish with it).
 """
 
 import os
@@ -76,6 +81,34 @@ def block_scores(query: torch.Tensor, representatives: torch.Tensor) -> torch.Te
     return scores.amax(-1).sum((1, 2))
 
 
+def _best(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """The indices (..., count) of the `count` best scores along the last dimension; of equal scores, the later."""
+    return scores.shape[-1] - 1 - scores.flip(-1).sort(dim=-1, descending=True, stable=True).indices[..., :count]
+
+
+def choose_blocks(scores: torch.Tensor, slots: int) -> torch.Tensor:
+    """Which blocks a key/value head reads: scores (..., n), -inf where a block is no candidate -> block indices
+    (..., slots) in stream order, -1 (first) where fewer candidates than slots.
+
+    The best floor(slots / 3) blocks, each with the candidates beside it, so that a passage cut by a block boundary
+    is read whole and in its context; the slots left, the best of the rest."""
+    n = scores.shape[-1]
+    centres = _best(scores, min(slots // 3, n))
+    centred = scores.gather(-1, centres) > -torch.inf
+    picked = []
+    for shift in (-1, 0, 1):
+        block = centres + shift
+        beside = centred & (block >= 0) & (block < n)
+        beside &= scores.gather(-1, block.clamp(0, n - 1)) > -torch.inf
+        picked.append(torch.where(beside, block, n))  # n: nothing
+    taken = scores.new_zeros((*scores.shape[:-1], n + 1), dtype=torch.bool).scatter(-1, torch.cat(picked, -1), True)
+    chosen = _best(torch.where(taken[..., :n], torch.inf, scores), min(slots, n))
+    chosen = torch.where(scores.gather(-1, chosen) > -torch.inf, chosen, -1).sort(dim=-1).values
+    if chosen.shape[-1] < slots:  # fewer blocks than slots: the missing slots come first, empty
+        chosen = torch.cat([chosen.new_full((*chosen.shape[:-1], slots - chosen.shape[-1]), -1), chosen], -1)
+    return chosen
+
+
 class BlockMemory:
     """One layer's evicted keys and values (raw, stream order) and their blocks' representatives."""
 
@@ -123,14 +156,8 @@ class BlockMemory:
         empty slots (first) hold block 0, masked by the plan."""
         blocks = read.candidates.shape[1]
         scores = block_scores(query, self.representatives[:, :, :blocks])
-        scores = scores.masked_fill(~read.candidates, float("-inf"))
-        # The best min(k, blocks); of equal scores (blocks of the same tokens), the later block.
-        order = scores.flip(1).sort(dim=1, descending=True, stable=True).indices[:, : self.slots]
-        chosen = blocks - 1 - order  # (B, <= k)
-        chosen = torch.where(scores.gather(1, chosen) > float("-inf"), chosen, -1).sort(dim=1).values
-        if chosen.shape[1] < self.slots:  # fewer blocks than slots: the missing slots come first, empty
-            chosen = torch.cat([chosen.new_full((chosen.shape[0], self.slots - chosen.shape[1]), -1), chosen], 1)
-        tokens = (chosen.clamp(min=0)[:, :, None] * self.block + torch.arange(self.block, device=chosen.device))
+        chosen = choose_blocks(scores.masked_fill(~read.candidates, -torch.inf), self.slots)  # (B, k)
+        tokens = chosen.clamp(min=0)[:, :, None] * self.block + torch.arange(self.block, device=chosen.device)
         index = tokens.flatten(1)[:, None, :, None].expand(-1, self.keys.shape[1], -1, self.keys.shape[3])
         return self.keys.gather(2, index), self.values.gather(2, index)
 
@@ -143,4 +170,4 @@ class BlockMemory:
         self.representatives = function(self.representatives[:, :, : self.blocks])
 
 
-__all__ = ["REPRESENTATIVES", "BlockMemory", "block_representatives", "block_scores"]
+__all__ = ["REPRESENTATIVES", "BlockMemory", "block_representatives", "block_scores", "choose_blocks"]

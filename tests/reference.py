@@ -304,11 +304,13 @@ def memory_forward(state, config, input_ids, forwards, margins=None):
     Before a forward that starts at token a, the cache has evicted tokens 0 ... E - 1 (sliding: E = a - w + 1;
     blockwise: the start of the block before a's). Its complete blocks after the S sinks are the candidates; each
     layer scores them with the forward's last query q (per head, before positions): the sum over heads of the best
-    q . r over the block's 4 keys of largest norm r (per key/value head, before positions); the top k, in stream
-    order, fill the last slots of k; slot s's token t is seen at distance (query - its window's first token) +
-    k*b - (s*b + t), sink j at (query - window's first) + k*b + S - j. Supports xpos, rope, decay, alibi, none.
-    `margins`: a list that receives, per forward and layer that chose among more than k blocks, the gap between the
-    k-th best score and the next (a float32 model may choose otherwise where it is tiny)."""
+    q . r over the block's 4 keys of largest norm r (per key/value head, before positions). The best k // 3
+    blocks (of equal scores, the later), each with the candidates beside it, then the best of the rest up to k, in
+    stream order, fill the last slots of k; slot s's token t is seen at distance (query - its window's first
+    token) + k*b - (s*b + t), sink j at (query - window's first) + k*b + S - j. Supports xpos, rope, decay, alibi,
+    none. `margins`: a list that receives, per forward and layer that chose among more than k blocks, the gap
+    between the (k // 3)-th best score (k < 3: the best) and the next (a float32 model may choose otherwise where it
+    is tiny)."""
     sd = {k: v.double() for k, v in state.items()}
     n = input_ids.shape[0]
     h, d = config.num_attention_heads, config.head_dim
@@ -361,14 +363,21 @@ def memory_forward(state, config, input_ids, forwards, margins=None):
                     keys = k[j * block : (j + 1) * block, head // group]
                     top = keys.norm(dim=-1).topk(min(4, block)).indices
                     total += (keys[top] @ q[last, head]).max()
-                return total
+                return float(total)
 
-            ranked = sorted(((float(block_score(j)), j) for j in candidates), reverse=True)
+            score = {j: block_score(j) for j in candidates}
+            ranked = sorted(((s, j) for j, s in score.items()), reverse=True)  # of equal scores, the later
             if margins is not None and len(ranked) > slots:
-                margins.append(ranked[slots - 1][0] - ranked[slots][0])
-            chosen = sorted(j for _, j in ranked[:slots])
+                boundary = max(slots // 3, 1)
+                margins.append(ranked[boundary - 1][0] - ranked[boundary][0])
+            chosen = set()
+            for _, j in ranked[: slots // 3]:
+                chosen.update(m for m in (j - 1, j, j + 1) if m in score)
+            for _, j in ranked:
+                if len(chosen) < min(slots, len(ranked)):
+                    chosen.add(j)
             memory = []  # (stream index, place in the memory's slots)
-            for rank, j in enumerate(chosen):
+            for rank, j in enumerate(sorted(chosen)):
                 slot = slots - len(chosen) + rank
                 memory += [(j * block + t, slot * block + t) for t in range(block)]
             for i in range(a, a + count):
