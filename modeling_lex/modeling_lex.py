@@ -77,6 +77,20 @@ def make_norm(config: LexConfig, size: int) -> nn.Module:
     return nn.LayerNorm(size, eps=config.layer_norm_eps)
 
 
+class LexScaledEmbedding(nn.Embedding):
+    """Gemma's scaled token lookup (`embedding_scale_in_lookup`): the rows times `scale` rounded to the weights'
+    dtype, so that `get_input_embeddings()(ids)` (what PEFT's prompt tuning and `inputs_embeds` users build on) is
+    what the model reads from `ids`."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None, scale: float) -> None:
+        super().__init__(num_embeddings, embedding_dim, padding_idx)
+        self.scale = scale
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rounded = torch.tensor(self.scale, dtype=torch.float32, device=self.weight.device).to(self.weight.dtype)
+        return super().forward(input_ids) * rounded
+
+
 class LexMLP(nn.Module):
     """TorchScale's fc1 -> activation (in float32) -> [sub-LayerNorm] -> fc2, or Llama's gated
     down_proj(act(gate_proj(x)) * up_proj(x)) (activation in the input dtype, as Llama), with the sub-LayerNorm
@@ -263,7 +277,11 @@ class LexModel(LexPreTrainedModel):
     def __init__(self, config: LexConfig):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        if config.embedding_scale_in_lookup:
+            self.embed_tokens = LexScaledEmbedding(config.vocab_size, config.hidden_size, self.padding_idx,
+                                                   config.embedding_scale)
+        else:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.layernorm_embedding = make_norm(config, config.hidden_size) if config.layernorm_embedding else None
         self.dropout = nn.Dropout(config.hidden_dropout)
         self.layers = nn.ModuleList([LexDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
@@ -279,15 +297,11 @@ class LexModel(LexPreTrainedModel):
         """TorchScale's forward_embedding: scale (or Gemma's scaled lookup), [absolute sinusoidal positions],
         [LayerNorm], dropout."""
         scale = self.config.embedding_scale
-        if self.config.embedding_scale_in_lookup:  # Gemma's: the lookup scales, by the scale in the weights' dtype
-            if inputs_embeds is None:
-                weight = self.embed_tokens.weight
-                rounded = torch.tensor(scale, dtype=torch.float32, device=weight.device).to(weight.dtype)
-                inputs_embeds = self.embed_tokens(input_ids) * rounded
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if self.config.embedding_scale_in_lookup:  # Gemma's: the lookup scaled (LexScaledEmbedding)
             hidden = inputs_embeds
         else:
-            if inputs_embeds is None:
-                inputs_embeds = self.embed_tokens(input_ids)
             hidden = inputs_embeds if scale == 1.0 else inputs_embeds * scale  # Llama's: no full-size multiply
         if self.config.absolute_position_embedding == "sinusoidal":
             if not torch.compiler.is_compiling() and position_ids.max() >= self.config.max_position_embeddings:

@@ -206,7 +206,20 @@ def test_gemma_embeddings_are_scaled_in_their_dtype_as_gemma_scales_them():
     with torch.no_grad():
         expected = source.model.embed_tokens(tokens)
         assert torch.equal(model.model.embed(tokens, None, tokens), expected)
-        assert not torch.equal(model.model.embed_tokens(tokens) * 96**0.5, expected)  # the float product differs
+        assert not torch.equal(model.model.embed_tokens.weight[tokens] * 96**0.5, expected)  # the float product
+
+
+@pytest.mark.parametrize("name", ["gemma2_gqa_tied", "gemma3_mqa_tied_capped"])
+def test_gemma_input_embeddings_are_what_the_ids_read(name):
+    """`get_input_embeddings()(ids)` is Gemma's scaled lookup, as in the source class: given as `inputs_embeds`
+    (PEFT's prompt tuning, transformers' common tests) it reads as the ids do."""
+    source = source_model(name)
+    model = lex_from_hf(source)
+    tokens = ids(2, 20)
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(tokens)
+        torch.testing.assert_close(embeds, source.get_input_embeddings()(tokens), rtol=0, atol=0)
+        torch.testing.assert_close(model(inputs_embeds=embeds).logits, model(tokens).logits, rtol=0, atol=0)
 
 
 def test_phi3_in_memory_conversion_slices_the_fused_tensors_without_copies():
