@@ -145,9 +145,23 @@ def run_attention(
             out = out.unflatten(0, (batch, -1)).flatten(1, 2)[:, : total - tile.first_query]
         outputs.append(out)
     output = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
-    if plan.attention_maps:
-        return output, _attention_map(plan.tiles[0], plan.sink_slots, weights, key.shape[2])
-    return output, None
+    if not plan.attention_maps:
+        return output, None
+    tile = plan.tiles[0]  # maps: one dense tile over every key
+    attention_map = _attention_map(tile, plan.sink_slots, weights, key.shape[2])
+    if attention_map is not weights:  # rebuilt over the cache's keys: the output read from it (gradients reach it)
+        output = _output_of_map(attention_map, weights, value, tile.n_memory).to(output.dtype)
+    return output, attention_map
+
+
+def _output_of_map(attention_map: torch.Tensor, weights: torch.Tensor, value: torch.Tensor, n_memory: int):
+    """The output (B, T, H, d) as the map (B, H, T, K) times the cache's values (B, Hkv, K, d), plus the block
+    memory's weights (the tile's last columns, none of the map's) times its values (the cache's last columns)."""
+    value = value.repeat_interleave(attention_map.shape[1] // value.shape[1], dim=1).to(attention_map.dtype)
+    output = attention_map @ value
+    if n_memory:
+        output = output + weights[..., -n_memory:] @ value[:, :, -n_memory:]
+    return output.transpose(1, 2).contiguous()
 
 
 __all__ = ["eager_attention_forward", "run_attention"]

@@ -144,6 +144,32 @@ def test_generation_maps_cover_the_sink_slots():
             assert (layer_map[..., :S] > 0).all()
 
 
+@pytest.mark.parametrize("memory", [0, 3])
+def test_a_retained_map_gets_its_gradient(memory):
+    """With sinks (and a block memory) a map is rebuilt over the cache's keys, and the output is read from it: a map
+    a user retains gets its gradient (transformers' test_retain_grad_hidden_states_attentions), the logits are the
+    reading's without maps, and so is the gradient of the weights."""
+    config = tiny_config(attention_mode="sliding", attention_sinks=S, attention_sink_positions="cache",
+                         attention_memory_blocks=memory, attention_memory_block_size=5)
+    ids = prompt(1, 3 * W, seed=4)
+    readings = []
+    for maps in (False, True):
+        model = perturbed_model(config)
+        model.set_attn_implementation("eager")
+        cache = LexCache(config)
+        with torch.no_grad():
+            model(ids[:, : 3 * W - 1], cache=cache)
+        out = model(ids[:, 3 * W - 1 :], cache=cache, output_attentions=maps)
+        if maps:
+            out.attentions[0].retain_grad()
+        out.logits.square().sum().backward()
+        readings.append((out, model.model.layers[0].self_attn.q_proj.weight.grad))
+    (plain, plain_grad), (mapped, mapped_grad) = readings
+    assert mapped.attentions[0].grad is not None and mapped.attentions[0].grad.abs().sum() > 0
+    torch.testing.assert_close(mapped.logits, plain.logits, atol=1e-6, rtol=0)
+    torch.testing.assert_close(mapped_grad, plain_grad, atol=1e-5, rtol=1e-4)
+
+
 # ---------------------------------------------------------------- where sinks are seen from
 
 
