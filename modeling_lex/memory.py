@@ -87,8 +87,8 @@ def _best(scores: torch.Tensor, count: int) -> torch.Tensor:
 
 
 def choose_blocks(scores: torch.Tensor, slots: int) -> torch.Tensor:
-    """Which blocks a key/value head reads: scores (..., n), -inf where a block is no candidate -> block indices
-    (..., slots) in stream order, -1 (first) where fewer candidates than slots.
+    """Which blocks a row reads (one layer, its heads together): scores (..., n), -inf where a block is no candidate ->
+    block indices (..., slots) in stream order, -1 (first) where fewer candidates than slots.
 
     The best floor(slots / 3) blocks, each with the candidates beside it, so that a passage cut by a block boundary
     is read whole and in its context; the slots left, the best of the rest."""
