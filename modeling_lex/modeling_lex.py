@@ -174,7 +174,7 @@ class LexAttention(nn.Module):
         value = self.v_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
         cache_kwargs = plan.cache_kwargs
         if cache_kwargs is not None and cache_kwargs.get("memory") is not None:  # the last query finds the blocks
-            cache_kwargs = {**cache_kwargs, "memory_query": query[:, :, -1]}
+            cache_kwargs = {**cache_kwargs, "memory_query": query[:, :, -1] * self.scaling}
         query, key = plan.encode_tokens(query), plan.encode_tokens(key)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx, cache_kwargs)

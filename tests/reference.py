@@ -303,8 +303,9 @@ def memory_forward(state, config, input_ids, forwards, margins=None):
 
     Before a forward that starts at token a, the cache has evicted tokens 0 ... E - 1 (sliding: E = a - w + 1;
     blockwise: the start of the block before a's). Its complete blocks after the S sinks are the candidates; each
-    layer scores them with the forward's last query q (per head, before positions): the sum over heads of the best
-    q . r over the block's 4 keys of largest norm r (per key/value head, before positions). The best k // 3
+    layer scores them with the forward's last query q (per head, before positions): the sum over heads of the
+    block's share of that head's softmax over the candidates of the best q . r / sqrt(d) over the block's 4 keys of
+    largest norm r (per key/value head, before positions). The best k // 3
     blocks (of equal scores, the later), each with the candidates beside it, then the best of the rest up to k, in
     stream order, fill the last slots of k; slot s's token t is seen at distance (query - its window's first
     token) + k*b - (s*b + t), sink j at (query - window's first) + k*b + S - j. Supports xpos, rope, decay, alibi,
@@ -357,15 +358,18 @@ def memory_forward(state, config, input_ids, forwards, margins=None):
             candidates = [j for j in range(evicted // block) if j * block >= sinks]
             last = a + count - 1
 
-            def block_score(j):
-                total = 0.0
-                for head in range(h):
-                    keys = k[j * block : (j + 1) * block, head // group]
-                    top = keys.norm(dim=-1).topk(min(4, block)).indices
-                    total += (keys[top] @ q[last, head]).max()
-                return float(total)
+            def block_logit(j, head):
+                keys = k[j * block : (j + 1) * block, head // group]
+                top = keys.norm(dim=-1).topk(min(4, block)).indices
+                return float((keys[top] @ q[last, head]).max()) / math.sqrt(d)
 
-            score = {j: block_score(j) for j in candidates}
+            score = dict.fromkeys(candidates, 0.0)
+            for head in range(h):  # each head's softmax over the candidates, summed
+                logits = {j: block_logit(j, head) for j in candidates}
+                top = max(logits.values(), default=0.0)
+                total = sum(math.exp(value - top) for value in logits.values())
+                for j in candidates:
+                    score[j] += math.exp(logits[j] - top) / total
             ranked = sorted(((s, j) for j, s in score.items()), reverse=True)  # of equal scores, the later
             if margins is not None and len(ranked) > slots:
                 boundary = max(slots // 3, 1)
