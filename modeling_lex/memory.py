@@ -4,10 +4,11 @@ which of their blocks a forward reads.
 Keys and values that leave a LexCache's window part are appended here, in stream order, without positions
 (RoPE keys are rotated back to position 0 first: the record's `MemoryTerms.unrotate`), so the store holds the
 stream's tokens 0 ... E - 1 (E: tokens evicted so far) in blocks of b = `attention_memory_block_size`; the last,
-incomplete block waits for its last token. Each complete block has `REPRESENTATIVES` representative keys per
-key/value head: the block's keys of largest norm (chosen by measurement on SmolLM2-135M,
+incomplete block waits for its last token. Each complete block has `representatives(b)` = b / 4 representative
+keys per key/value head: the block's keys of largest norm (chosen by measurement on SmolLM2-135M,
 benchmarks/memory_retrieval_probe.py: as good as the block's mean at finding a passkey's block, and better with
-natural filler).
+natural filler; and benchmarks/RESULTS.md: with 4 of a block of 64, no key hidden in natural text at 40% of 4,096
+tokens was recalled, with 8 two of three, with 16 three of three).
 
 The retrieval rule (one forward, one layer): the forward's last query q (per head, before positions, times the
 attention's scale) scores every candidate block j (`MemoryRead.candidates`: complete, every token real, after the
@@ -25,8 +26,8 @@ key/value head choosing its own blocks read the key's block in more heads but lo
 the raw logits over heads (not their softmax shares) recalled no key hidden in natural text, the shares 3 of 3 at
 10% depth.
 
-The store grows with the document by its keys' and values' bytes (the model's dtype) plus the representatives (4
-keys of each block); compute per token stays O(S + k*b + w). With `directory` set, the store lives in memory-mapped
+The store grows with the document by its keys' and values' bytes (the model's dtype) plus the representatives (a
+quarter of each block's keys); compute per token stays O(S + k*b + w). With `directory` set, the store lives in memory-mapped
 files there (unlinked at once: the pages stay the process's until it drops them, and the files vanish with it).
 """
 
@@ -38,7 +39,9 @@ import torch
 
 from .record import MemoryRead
 
-REPRESENTATIVES = 4  # representative keys per block and key/value head
+def representatives(block: int) -> int:
+    """Representative keys per block of `block` tokens and key/value head: a quarter of them, at least one."""
+    return max(1, block // 4)
 
 
 def _allocate(like: torch.Tensor, shape: tuple[int, ...], directory: str | None) -> torch.Tensor:
@@ -71,9 +74,9 @@ def _grown(buffer: torch.Tensor | None, like: torch.Tensor, used: int, needed: i
 
 
 def block_representatives(keys: torch.Tensor, block: int) -> torch.Tensor:
-    """(B, H, n*block, d) keys -> (B, H, n, REPRESENTATIVES, d): each block's keys of largest norm."""
+    """(B, H, n*block, d) keys -> (B, H, n, representatives(block), d): each block's keys of largest norm."""
     blocks = keys.unflatten(2, (-1, block))
-    top = blocks.norm(dim=-1).topk(min(REPRESENTATIVES, block), dim=-1).indices
+    top = blocks.norm(dim=-1).topk(representatives(block), dim=-1).indices
     return blocks.gather(3, top[..., None].expand(*top.shape, keys.shape[-1]))
 
 
@@ -153,7 +156,7 @@ class BlockMemory:
         self.values[:, :, self.length : stop] = values.detach()
         self.length = stop
         if self.blocks > complete:
-            shape = (*keys.shape[:2], 1, min(REPRESENTATIVES, self.block), keys.shape[3])
+            shape = (*keys.shape[:2], 1, representatives(self.block), keys.shape[3])
             self.representatives = _grown(self.representatives, keys.new_empty(shape), complete, self.blocks, 2,
                                           None)
             span = self.keys[:, :, complete * self.block : self.blocks * self.block]
@@ -178,4 +181,4 @@ class BlockMemory:
         self.representatives = function(self.representatives[:, :, : self.blocks])
 
 
-__all__ = ["REPRESENTATIVES", "BlockMemory", "block_representatives", "block_scores", "choose_blocks"]
+__all__ = ["BlockMemory", "block_representatives", "block_scores", "choose_blocks", "representatives"]

@@ -304,8 +304,8 @@ def memory_forward(state, config, input_ids, forwards, margins=None):
     Before a forward that starts at token a, the cache has evicted tokens 0 ... E - 1 (sliding: E = a - w + 1;
     blockwise: the start of the block before a's). Its complete blocks after the S sinks are the candidates; each
     layer scores them with the forward's last query q (per head, before positions): the sum over heads of the
-    block's share of that head's softmax over the candidates of the best q . r / sqrt(d) over the block's 4 keys of
-    largest norm r (per key/value head, before positions). The best k // 3
+    block's share of that head's softmax over the candidates of the best q . r / sqrt(d) over the block's b // 4 keys
+    (at least 1) of largest norm r (per key/value head, before positions). The best k // 3
     blocks (of equal scores, the later), each with the candidates beside it, then the best of the rest up to k, in
     stream order, fill the last slots of k; slot s's token t is seen at distance (query - its window's first
     token) + k*b - (s*b + t), sink j at (query - window's first) + k*b + S - j. Supports xpos, rope, decay, alibi,
@@ -360,7 +360,7 @@ def memory_forward(state, config, input_ids, forwards, margins=None):
 
             def block_logit(j, head):
                 keys = k[j * block : (j + 1) * block, head // group]
-                top = keys.norm(dim=-1).topk(min(4, block)).indices
+                top = keys.norm(dim=-1).topk(max(1, block // 4)).indices
                 return float((keys[top] @ q[last, head]).max()) / math.sqrt(d)
 
             score = dict.fromkeys(candidates, 0.0)

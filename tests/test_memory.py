@@ -19,7 +19,7 @@ from tests.helpers import PAD, W, greedy, perturbed_model, prompt, tiny_config
 
 pytestmark = pytest.mark.oldest  # also run on the oldest transformers we declare
 
-BLOCKS, BLOCK = 3, 5  # one block and its two neighbours; a block of more keys than its 4 representatives
+BLOCKS, BLOCK = 3, 5  # one block and its two neighbours; a block of more keys than its 1 representative (b // 4)
 
 
 def memory_config(**overrides):
@@ -178,7 +178,7 @@ def test_left_padded_rows_read_as_alone():
     config = memory_config(position_embedding_type="rope", attention_mode="sliding", attention_sinks=4,
                            attention_memory_block_size=4)
     model = perturbed_model(config, seed=4)
-    long, short = prompt(1, 4 * W, seed=5), prompt(1, 3 * W, seed=6)
+    long, short = distinct_prompt(4 * W, seed=5), distinct_prompt(3 * W, seed=6)  # no exact ties (batched or not)
     batch = torch.cat([long, torch.cat([torch.full((1, W), PAD), short], dim=1)])
     mask = torch.ones_like(batch)
     mask[1, :W] = 0
@@ -222,7 +222,7 @@ def test_memory_mapped_store(tmp_path):
     assert layer.keys.untyped_storage().filename is not None  # file-backed
     evicted = on_disk.seen - on_disk.held
     per_token = 2 * config.num_key_value_heads * config.head_dim * 4  # keys and values, float32
-    representatives = (evicted // BLOCK) * config.num_key_value_heads * min(4, BLOCK) * config.head_dim * 4
+    representatives = (evicted // BLOCK) * config.num_key_value_heads * (BLOCK // 4) * config.head_dim * 4
     assert on_disk.memory_bytes == config.num_hidden_layers * (evicted * per_token + representatives)
 
 
