@@ -73,8 +73,8 @@ class LexCacheLayer(DynamicLayer):
     Under autograd the buffers are never written in place.
 
     With a block memory (memory.py), the keys and values `commit` drops go there, and `update` returns the blocks
-    the forward's last query (`cache_kwargs["memory_query"]`, times the attention's scale) retrieves after the new keys, as the record and the
-    plan say (`cache_kwargs["memory"]`)."""
+    the forward's last query (`cache_kwargs["memory_query"]`, times the attention's scale) retrieves after the new
+    keys, as the record and the plan say (`cache_kwargs["memory"]`)."""
 
     def __init__(self, memory: BlockMemory | None = None) -> None:
         self._window: list[tuple[torch.Tensor, int, int] | None] = [None, None]  # keys, values: (buffer, begin, end)

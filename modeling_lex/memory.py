@@ -4,8 +4,8 @@ which of their blocks a forward reads.
 Keys and values that leave a LexCache's window part are appended here, in stream order, without positions
 (RoPE keys are rotated back to position 0 first: the record's `MemoryTerms.unrotate`), so the store holds the
 stream's tokens 0 ... E - 1 (E: tokens evicted so far) in blocks of b = `attention_memory_block_size`; the last,
-incomplete block waits for its last token. Each complete block has `representatives(b)` = b / 4 representative
-keys per key/value head: the block's keys of largest norm (chosen by measurement on SmolLM2-135M,
+incomplete block waits for its last token. Each complete block has `representative_count(b)` = b / 4
+representative keys per key/value head: the block's keys of largest norm (chosen by measurement on SmolLM2-135M,
 benchmarks/memory_retrieval_probe.py: as good as the block's mean at finding a passkey's block, and better with
 natural filler; and benchmarks/RESULTS.md: with 4 of a block of 64, no key hidden in natural text at 40% of 4,096
 tokens was recalled, with 8 two of three, with 16 three of three).
@@ -27,8 +27,10 @@ the raw logits over heads (not their softmax shares) recalled no key hidden in n
 10% depth.
 
 The store grows with the document by its keys' and values' bytes (the model's dtype) plus the representatives (a
-quarter of each block's keys); compute per token stays O(S + k*b + w). With `directory` set, the store lives in memory-mapped
-files there (unlinked at once: the pages stay the process's until it drops them, and the files vanish with it).
+quarter of each block's keys); attention per token stays O(S + k*b + w), and choosing the blocks reads the
+representatives of every candidate block (E / 4 keys per key/value head). With `directory` set, the store lives in
+memory-mapped files there (unlinked at once: the pages stay the process's until it drops them, and the files
+vanish with it).
 """
 
 import os
@@ -39,7 +41,8 @@ import torch
 
 from .record import MemoryRead
 
-def representatives(block: int) -> int:
+
+def representative_count(block: int) -> int:
     """Representative keys per block of `block` tokens and key/value head: a quarter of them, at least one."""
     return max(1, block // 4)
 
@@ -74,9 +77,9 @@ def _grown(buffer: torch.Tensor | None, like: torch.Tensor, used: int, needed: i
 
 
 def block_representatives(keys: torch.Tensor, block: int) -> torch.Tensor:
-    """(B, H, n*block, d) keys -> (B, H, n, representatives(block), d): each block's keys of largest norm."""
+    """(B, H, n*block, d) keys -> (B, H, n, representative_count(block), d): each block's keys of largest norm."""
     blocks = keys.unflatten(2, (-1, block))
-    top = blocks.norm(dim=-1).topk(representatives(block), dim=-1).indices
+    top = blocks.norm(dim=-1).topk(representative_count(block), dim=-1).indices
     return blocks.gather(3, top[..., None].expand(*top.shape, keys.shape[-1]))
 
 
@@ -156,7 +159,7 @@ class BlockMemory:
         self.values[:, :, self.length : stop] = values.detach()
         self.length = stop
         if self.blocks > complete:
-            shape = (*keys.shape[:2], 1, representatives(self.block), keys.shape[3])
+            shape = (*keys.shape[:2], 1, representative_count(self.block), keys.shape[3])
             self.representatives = _grown(self.representatives, keys.new_empty(shape), complete, self.blocks, 2,
                                           None)
             span = self.keys[:, :, complete * self.block : self.blocks * self.block]
@@ -181,4 +184,4 @@ class BlockMemory:
         self.representatives = function(self.representatives[:, :, : self.blocks])
 
 
-__all__ = ["BlockMemory", "block_representatives", "block_scores", "choose_blocks", "representatives"]
+__all__ = ["BlockMemory", "block_representatives", "block_scores", "choose_blocks", "representative_count"]
