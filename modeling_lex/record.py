@@ -100,6 +100,7 @@ class MemoryRead:
     candidates: torch.Tensor  # (B, blocks) bool: complete, all real, after the sinks of the last query's document
     token_valid: torch.Tensor  # (B, k * block) bool: the slot holds a block (the last min(k, candidates) slots)
     document: torch.Tensor  # (B,) stream index where the last query's document starts: its queries read the memory
+    evidence: torch.Tensor  # (B, blocks) float32: the layers' block scores summed so far in this forward (memory.py)
 
 
 @dataclass

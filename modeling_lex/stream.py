@@ -210,7 +210,8 @@ class Stream:
         if not bool(count.any()):
             return None
         filled = torch.arange(slots, device=document.device)[None, :] >= slots - count[:, None]
-        return MemoryRead(candidates, filled.repeat_interleave(block, dim=1), document)
+        evidence = torch.zeros(candidates.shape, device=document.device)
+        return MemoryRead(candidates, filled.repeat_interleave(block, dim=1), document, evidence)
 
     # ------------------------------------------------------------------------------------------------ sink slots
 

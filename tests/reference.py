@@ -303,10 +303,11 @@ def memory_forward(state, config, input_ids, forwards, margins=None):
 
     Before a forward that starts at token a, the cache has evicted tokens 0 ... E - 1 (sliding: E = a - w + 1;
     blockwise: the start of the block before a's). Its complete blocks after the S sinks are the candidates; each
-    layer scores them with the forward's last query q (per head, before positions): the sum over heads of the
-    block's share of that head's softmax over the candidates of the best q . r / sqrt(d) over the block's b // 4 keys
-    (at least 1) of largest norm r (per key/value head, before positions). The best k // 3
-    blocks (of equal scores, the later), each with the candidates beside it, then the best of the rest up to k, in
+    layer scores them with the forward's last b queries q (per head, before positions): the sum over queries and
+    heads of the block's share of that query and head's softmax over the candidates of the best q . r / sqrt(d) over
+    the block's b // 4 keys (at least 1) of largest norm r (per key/value head, before positions). A layer ranks the
+    blocks by its score plus the scores of the layers below it in the same forward. The best k // 3
+    blocks (of equal sums, the later), each with the candidates beside it, then the best of the rest up to k, in
     stream order, fill the last slots of k; slot s's token t is seen at distance (query - its window's first
     token) + k*b - (s*b + t), sink j at (query - window's first) + k*b + S - j. Supports xpos, rope, decay, alibi,
     none. `margins`: a list that receives, per forward and layer that chose among more than k blocks, the gap
@@ -346,6 +347,7 @@ def memory_forward(state, config, input_ids, forwards, margins=None):
         return value
 
     starts = [sum(forwards[:f]) for f in range(len(forwards))]
+    evidence = [{} for _ in forwards]  # per forward: block -> the scores of the layers read so far
     x = sd["model.embed_tokens.weight"][input_ids] * config.embedding_scale
     for layer in range(config.num_hidden_layers):
         p = f"model.layers.{layer}."
@@ -353,24 +355,25 @@ def memory_forward(state, config, input_ids, forwards, margins=None):
         q, k, v = (lin(y, p + f"self_attn.{name}_proj") for name in "qkv")
         q, k, v = q.view(n, h, d), k.view(n, -1, d), v.view(n, -1, d)
         attn = torch.zeros(n, h, d, dtype=torch.float64)
-        for a, count in zip(starts, forwards):
+        for a, count, summed in zip(starts, forwards, evidence):
             evicted = max(0, a - w + 1) if mode == "sliding" else max(0, (a // half - 1) * half)
             candidates = [j for j in range(evicted // block) if j * block >= sinks]
             last = a + count - 1
 
-            def block_logit(j, head):
+            def block_logit(j, head, query):
                 keys = k[j * block : (j + 1) * block, head // group]
                 top = keys.norm(dim=-1).topk(max(1, block // 4)).indices
-                return float((keys[top] @ q[last, head]).max()) / math.sqrt(d)
+                return float((keys[top] @ q[query, head]).max()) / math.sqrt(d)
 
-            score = dict.fromkeys(candidates, 0.0)
-            for head in range(h):  # each head's softmax over the candidates, summed
-                logits = {j: block_logit(j, head) for j in candidates}
-                top = max(logits.values(), default=0.0)
-                total = sum(math.exp(value - top) for value in logits.values())
-                for j in candidates:
-                    score[j] += math.exp(logits[j] - top) / total
-            ranked = sorted(((s, j) for j, s in score.items()), reverse=True)  # of equal scores, the later
+            for query in range(max(a, last - block + 1), last + 1):
+                for head in range(h):  # each query and head's softmax over the candidates, summed
+                    logits = {j: block_logit(j, head, query) for j in candidates}
+                    top = max(logits.values(), default=0.0)
+                    total = sum(math.exp(value - top) for value in logits.values())
+                    for j in candidates:
+                        summed[j] = summed.get(j, 0.0) + math.exp(logits[j] - top) / total
+            score = {j: summed[j] for j in candidates}
+            ranked = sorted(((s, j) for j, s in score.items()), reverse=True)  # of equal sums, the later
             if margins is not None and len(ranked) > slots:
                 boundary = max(slots // 3, 1)
                 margins.append(ranked[boundary - 1][0] - ranked[boundary][0])
