@@ -10,8 +10,9 @@ benchmarks/memory_retrieval_probe.py: as good as the block's mean at finding a p
 natural filler; and benchmarks/RESULTS.md: with 4 of a block of 64, no key hidden in natural text at 40% of 4,096
 tokens was recalled, with 8 two of three, with 16 three of three).
 
-The retrieval rule (one forward, one layer): the forward's last b queries q (per head, before positions, times the
-attention's scale; a decoding step's one query) score every candidate block j (`MemoryRead.candidates`: complete,
+The retrieval rule (one forward, one layer): b of the forward's T queries q (every ceil(T / b)-th, ending at its
+last: the whole forward reads the blocks, so they choose together; a decoding step's one query; per head, before
+positions, times the attention's scale) score every candidate block j (`MemoryRead.candidates`: complete,
 every token real, after the sinks of the last query's document) as the sum over those queries and query heads h
 of the share that their softmax over the candidates gives j, each block's logit being max over its representatives
 r of q_h . r (each query head against its key/value head): the attention each head would pay the block, so that a
@@ -29,7 +30,9 @@ the raw logits over heads (not their softmax shares) recalled no key hidden in n
 10% depth. A passage read again 8,192 tokens later (benchmarks/memory_reread.py): each layer choosing by the last
 query and its own scores read the passage's first reading in 43 of 90 layer reads (NLL 1.78, full attention 0.73;
 the passage's blocks forced into every layer, 0.76); by the last 16 queries, 1.47; by the scores summed up the
-layers, 1.15; by both with the last 64 queries (one block's worth), 0.95, and 128, 0.94.
+layers, 1.15; by both with the last 64 queries (one block's worth), 0.95 (the passage's first block, which the end
+of the passage does not look for, missing in 20 of 30 layers), and 128, 0.94; by both with 64 queries spread over
+the forward, 0.73.
 
 The store grows with the document by its keys' and values' bytes (the model's dtype) plus the representatives (a
 quarter of each block's keys); attention per token stays O(S + k*b + w), and choosing the blocks reads the
@@ -174,7 +177,7 @@ class BlockMemory:
             self.representatives[:, :, complete : self.blocks] = block_representatives(span, self.block)
 
     def read(self, query: torch.Tensor, read: MemoryRead) -> tuple[torch.Tensor, torch.Tensor]:
-        """The k slots' keys and values (B, H, k*block, d) for the forward's last b queries (B, Hq, m, d), raw; the
+        """The k slots' keys and values (B, H, k*block, d) for b of the forward's queries (B, Hq, m, d), raw; the
         empty slots (first) hold block 0, masked by the plan. This layer's scores join the forward's evidence (the
         layers below it), which chooses."""
         blocks = read.candidates.shape[1]

@@ -173,8 +173,9 @@ class LexAttention(nn.Module):
         query, key = query.transpose(1, 2), key.transpose(1, 2)
         value = self.v_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
         cache_kwargs = plan.cache_kwargs
-        if cache_kwargs is not None and cache_kwargs.get("memory") is not None:  # the last b queries find the blocks
-            retrieving = query[:, :, -self.config.attention_memory_block_size :]
+        if cache_kwargs is not None and cache_kwargs.get("memory") is not None:  # b queries find the blocks
+            step = -(-length // self.config.attention_memory_block_size)  # every step-th, ending at the last
+            retrieving = query[:, :, (length - 1) % step :: step]
             cache_kwargs = {**cache_kwargs, "memory_query": retrieving.detach() * self.scaling}
         query, key = plan.encode_tokens(query), plan.encode_tokens(key)
         if cache is not None:
@@ -398,8 +399,8 @@ class LexForCausalLM(LexPreTrainedModel, LexGenerationMixin, GenerationMixin):
     ) -> BaseModelOutputWithPast:
         """Run a long input through the bounded cache w tokens at a time, so activations stay O(w), not O(n).
 
-        With a block memory the input's last token is read alone: a forward of T tokens retrieves once, for its last
-        b queries, and its later queries have a gap of up to T - 1 keys between the memory (what the cache had evicted
+        With a block memory the input's last token is read alone: a forward of T tokens retrieves once, for b of its
+        queries spread over it, and its later queries have a gap of up to T - 1 keys between the memory (what the cache had evicted
         when the forward began) and their window; the token that predicts the next one then retrieves with its own
         query and sees every evicted block, as each decoded token does.
 

@@ -303,7 +303,8 @@ def memory_forward(state, config, input_ids, forwards, margins=None):
 
     Before a forward that starts at token a, the cache has evicted tokens 0 ... E - 1 (sliding: E = a - w + 1;
     blockwise: the start of the block before a's). Its complete blocks after the S sinks are the candidates; each
-    layer scores them with the forward's last b queries q (per head, before positions): the sum over queries and
+    layer scores them with b of the forward's queries q (every ceil(count / b)-th, ending at its last; per head,
+    before positions): the sum over queries and
     heads of the block's share of that query and head's softmax over the candidates of the best q . r / sqrt(d) over
     the block's b // 4 keys (at least 1) of largest norm r (per key/value head, before positions). A layer ranks the
     blocks by its score plus the scores of the layers below it in the same forward. The best k // 3
@@ -365,7 +366,7 @@ def memory_forward(state, config, input_ids, forwards, margins=None):
                 top = keys.norm(dim=-1).topk(max(1, block // 4)).indices
                 return float((keys[top] @ q[query, head]).max()) / math.sqrt(d)
 
-            for query in range(max(a, last - block + 1), last + 1):
+            for query in range(last, a - 1, -math.ceil(count / block)):
                 for head in range(h):  # each query and head's softmax over the candidates, summed
                     logits = {j: block_logit(j, head, query) for j in candidates}
                     top = max(logits.values(), default=0.0)

@@ -174,7 +174,7 @@ def test_greedy_generate_matches_the_reference(method):
 def test_left_padded_rows_read_as_alone():
     """A row left-padded by w tokens (a multiple of the block size) reads the same blocks at the same places as
     alone. (Blocks are cut at stream indices and a long prompt is read w tokens a forward, each forward retrieving
-    for its last query: other padding shifts both, and the row reads other blocks.)"""
+    for b of its queries: other padding shifts both, and the row reads other blocks.)"""
     config = memory_config(position_embedding_type="rope", attention_mode="sliding", attention_sinks=4,
                            attention_memory_block_size=4)
     model = perturbed_model(config, seed=4)
