@@ -4,8 +4,8 @@ A 256-token passage of the King James Bible is read, then --gap tokens of other 
 then the passage again; its second appearance is scored (NLL per token). The readings: SmolLM2-135M-Instruct
 converted to sliding attention (w = --window, --sinks sinks at cache positions) with and without the block memory,
 the whole document in one call (`model(ids)`: read through a LexCache w tokens a forward); and the reference, the
-checkpoint as published (full attention) with the same passage repeated --reference_gap (2,000) tokens later,
-inside its training length. Each passage also gets its first-reading NLL (what nothing remembered would give).
+checkpoint as published (full attention) with the same passage, after the 1,024 tokens before it, repeated
+--reference_gap (2,000) tokens later, inside its training length. Each passage also gets its first-reading NLL (what nothing remembered would give).
 Printed per passage and on average: the four NLLs and memory / reference.
 
     python benchmarks/memory_reread.py [--passages 3] [--gap 32768] [--output memory_reread.json]
@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         passage = tokens[start : start + PASSAGE]
         before = tokens[:start]
         far = torch.cat([before, passage, tokens[start + PASSAGE + 4096 :][: args.gap - PASSAGE], passage])[None]
-        near = torch.cat([before, passage, tokens[start + PASSAGE + 4096 :][: args.reference_gap - PASSAGE],
-                          passage])[None]
+        near = torch.cat([before[-1024:], passage, tokens[start + PASSAGE + 4096 :][: args.reference_gap - PASSAGE],
+                          passage])[None]  # inside l whatever the passage's place (1,024 tokens before it)
         row = {"passage_start": start,
                "first_nll": passage_nll(published, torch.cat([before, passage])[None]),
                "window_nll": passage_nll(window, far),
