@@ -305,7 +305,7 @@ def memory_forward(state, config, input_ids, forwards, margins=None):
     blockwise: the start of the block before a's). Its complete blocks after the S sinks are the candidates; each
     layer scores them with b of the forward's queries q (every ceil(count / b)-th, ending at its last; per head,
     before positions): the sum over queries and
-    heads of the block's share of that query and head's softmax over the candidates of the best q . r / sqrt(d) over
+    heads of the square of the block's share of that query and head's softmax over the candidates of the best q . r / sqrt(d) over
     the block's b // 4 keys (at least 1) of largest norm r (per key/value head, before positions). A layer ranks the
     blocks by its score plus the scores of the layers below it in the same forward. The best k // 3
     blocks (of equal sums, the later), each with the candidates beside it, then the best of the rest up to k, in
@@ -372,7 +372,7 @@ def memory_forward(state, config, input_ids, forwards, margins=None):
                     top = max(logits.values(), default=0.0)
                     total = sum(math.exp(value - top) for value in logits.values())
                     for j in candidates:
-                        summed[j] = summed.get(j, 0.0) + math.exp(logits[j] - top) / total
+                        summed[j] = summed.get(j, 0.0) + (math.exp(logits[j] - top) / total) ** 2
             score = {j: summed[j] for j in candidates}
             ranked = sorted(((s, j) for j, s in score.items()), reverse=True)  # of equal sums, the later
             if margins is not None and len(ranked) > slots:
