@@ -99,7 +99,7 @@ def block_representatives(keys: torch.Tensor, block: int) -> torch.Tensor:
 
 def block_scores(query: torch.Tensor, representatives: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
     """queries (B, Hq, m, d), scaled as attention scales them, against representatives (B, Hkv, n, r, d) of blocks
-    of which `candidates` (B, n) may be read -> (B, n), -inf where no candidate: over query heads and queries, the
+    of which `candidates` (B, n) may be read -> (B, n), 0 where no candidate: over query heads and queries, the
     sum of the squared share of each one's softmax over the candidates that the block's best representative
     takes."""
     batch, heads, queries, width = query.shape
@@ -108,7 +108,7 @@ def block_scores(query: torch.Tensor, representatives: torch.Tensor, candidates:
     logits = (grouped @ representatives.flatten(2, 3).float().transpose(-1, -2)).unflatten(-1, (blocks, -1)).amax(-1)
     logits = logits.masked_fill(~candidates[:, None, None, :], -torch.inf)
     shares = logits.softmax(-1).nan_to_num(0.0)  # a row without candidates: nothing to share
-    return shares.square().sum((1, 2)).masked_fill(~candidates, -torch.inf)
+    return shares.square().sum((1, 2))
 
 
 def _ranked(scores: torch.Tensor) -> torch.Tensor:
@@ -186,7 +186,7 @@ class BlockMemory:
         layers below it), which chooses."""
         blocks = read.candidates.shape[1]
         scores = block_scores(query, self.representatives[:, :, :blocks], read.candidates)
-        read.evidence += scores.clamp(min=0)  # (-inf: no candidate, and stays none)
+        read.evidence += scores
         chosen = choose_blocks(torch.where(read.candidates, read.evidence, -torch.inf), self.slots)  # (B, k)
         return self._blocks(self.keys, chosen), self._blocks(self.values, chosen)
 
