@@ -1,6 +1,7 @@
 """CUDA checks and timings (run where a GPU is present; CI has none).
 
-Numbers: CUDA fp32 logits against CPU fp32 in every mode, eager vs sdpa on CUDA, bf16/fp16 finiteness at
+Numbers: CUDA fp32 logits against CPU fp32 in every mode, eager vs sdpa on CUDA; windowed decoding through a
+LexCache (sinks at cache positions, with and without a block memory, each position method) against CPU; bf16/fp16 finiteness at
 position 10^6 and agreement with fp32. Speed (bf16): training-step tokens/s of LEX-xpos and LEX-rope against
 HF Llama (SDPA) of the same size; blockwise forward tokens/s and peak CUDA memory from 1k to 512k tokens.
 
@@ -21,7 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import modeling_lex  # noqa: E402,F401
 from configuration_lex import ATTENTION_MODES, LexConfig  # noqa: E402
-from modeling_lex import LexForCausalLM  # noqa: E402
+from modeling_lex import LexCache, LexForCausalLM  # noqa: E402
 from modeling_lex.generation import CACHE_NAME  # noqa: E402
 
 
@@ -61,6 +62,36 @@ def numerics(report: dict) -> None:
             "half": half,
         }
         print(mode, report[f"numerics_{mode}"], flush=True)
+
+
+def windowed_decoding(report: dict) -> None:
+    """Sliding and blockwise windows with 4 sinks at cache positions, without and with a block memory: a prompt read
+    8 tokens a forward through a LexCache, then greedy generate(), on CUDA against CPU (fp32). Decoding with the
+    sinks in their slots once compared a CUDA tensor with a CPU one."""
+    rows = {}
+    for mode in ("sliding", "blockwise"):
+        for method in ("rope", "xpos", "alibi"):
+            for blocks in (0, 3):
+                torch.manual_seed(0)
+                model = lex(64, 2, 4, 32, attention_mode=mode, position_embedding_type=method, attention_sinks=4,
+                            attention_sink_positions="cache", attention_memory_blocks=blocks,
+                            attention_memory_block_size=5).eval()
+                ids = torch.randint(1, 32000, (1, 120))
+                out = {}
+                for device in ("cpu", "cuda"):
+                    model.to(device)
+                    cache = LexCache(model.config)
+                    with torch.no_grad():
+                        logits = torch.cat([model(ids[:, s : s + 8].to(device), cache=cache).logits[0].cpu()
+                                            for s in range(0, ids.shape[1], 8)])
+                        tokens = model.generate(ids.to(device), max_new_tokens=20, do_sample=False, pad_token_id=0,
+                                                **{CACHE_NAME: LexCache(model.config)}).cpu()
+                    out[device] = logits, tokens
+                rows[f"{mode}_{method}_memory{blocks}"] = {
+                    "cuda_vs_cpu_max_abs": (out["cuda"][0] - out["cpu"][0]).abs().max().item(),
+                    "same_tokens": torch.equal(out["cuda"][1], out["cpu"][1])}
+    report["windowed_decoding"] = rows
+    print(rows, flush=True)
 
 
 def generation(report: dict) -> None:
@@ -144,6 +175,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     numerics(report)
+    windowed_decoding(report)
     generation(report)
     if not args.skip_speed:
         speed(report)

@@ -7,12 +7,15 @@ key? The pass key is"). In SmolLM2-135M-Instruct's chat template the checkpoint 
 in full attention at 2k-4k tokens (3 of 6); in plain text it recalled 6 of 6. Filler is
 the landmark-attention sentences repeated (`repeated`) or natural text (`natural`: --filler_text, by default the
 42 works of ../shared/data/shakespeare, each key's filler from its own random place), the harder form. A key is
-recalled when the reply holds it. All readings of a key share its prompt; full attention as published reads the
-lengths up to --full_max (default 4,096, inside the training length), the windowed models every length. Each row
-prints as it is measured: reading, form, length, depth, recalled of --keys, and the seconds the cell took.
+recalled when the reply holds it. A key and its place in the
+natural filler are drawn once per form, depth and key number and read at every length, so full attention as published,
+which reads only --full_length (default 4,096, inside the training length), reads the same keys as the windowed
+models read at every length. Each row prints as it is measured (reading, form, length, depth, recalled of --keys, the
+seconds the cell took); at the end, each windowed cell against full attention's on the same keys and depth.
 
-    python benchmarks/memory_passkey.py [--lengths 4096,8192,32768] [--depths 0.1,0.5,0.9] [--keys 3]
-        [--forms repeated,natural] [--memory_blocks 16] [--memory_block_size 64] [--output memory_passkey.json]
+    python benchmarks/memory_passkey.py [--lengths 8192,32768,131072] [--depths 0.1,0.5,0.9] [--keys 3]
+        [--forms repeated,natural] [--memory_blocks 16] [--memory_block_size 64] [--device cuda]
+        [--output memory_passkey.json]
 """
 
 import argparse
@@ -56,6 +59,7 @@ def prompt_ids(tokenizer, length: int, depth: float, key: str, filler: list[int]
 @torch.no_grad()
 def reply(model, ids: torch.Tensor, tokenizer, memory_directory: str | None) -> str:
     cache = LexCache(model.config, memory_directory) if model.config.model_type == "lex" else None
+    ids = ids.to(model.device)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, cache=cache,
                          pad_token_id=tokenizer.eos_token_id)
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
@@ -64,7 +68,7 @@ def reply(model, ids: torch.Tensor, tokenizer, memory_directory: str | None) -> 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=None)
-    parser.add_argument("--lengths", default="4096,8192,32768")
+    parser.add_argument("--lengths", default="8192,32768,131072", help="what the windowed readings read")
     parser.add_argument("--depths", default="0.1,0.5,0.9")
     parser.add_argument("--keys", type=int, default=3)
     parser.add_argument("--forms", default="repeated,natural")
@@ -73,49 +77,59 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sinks", type=int, default=4)
     parser.add_argument("--memory_blocks", type=int, default=16)
     parser.add_argument("--memory_block_size", type=int, default=64)
-    parser.add_argument("--full_max", type=int, default=4096, help="longest length full attention reads")
+    parser.add_argument("--full_length", type=int, default=4096, help="the one length full attention reads")
     parser.add_argument("--readings", default="full,window,memory")
     parser.add_argument("--memory_directory", default=None, help="keep the block memory memory-mapped there")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     path = str(real_checkpoint(args.model))
-    published, tokenizer = load_model(path).eval(), load_tokenizer(path)
+    published, tokenizer = load_model(path, device=args.device).eval(), load_tokenizer(path)
     window = lex_from_hf(published, "sliding", args.window, args.sinks, "cache").eval()
     memory = lex_from_hf(published, "sliding", args.window, args.sinks, "cache").eval()
     memory.config.attention_memory_blocks = args.memory_blocks
     memory.config.attention_memory_block_size = args.memory_block_size
-    readings = {"full": published, "window": window, "memory": memory}
+    models = {"full": published, "window": window, "memory": memory}
     source = args.filler_text
     text = natural_text(source) if source.is_dir() else source.read_text(encoding="utf-8")
     natural = tokenizer(text, add_special_tokens=False).input_ids
+    lengths = list(map(int, args.lengths.split(",")))
     rng = random.Random(0)
+    cells = {}  # (form, depth): [(key, start of its natural filler)], the same at every length
+    for form in args.forms.split(","):
+        for depth in map(float, args.depths.split(",")):
+            cells[form, depth] = [(str(rng.randint(10000, 99999)),
+                                   rng.randrange(len(natural) - max(lengths + [args.full_length])))
+                                  for _ in range(args.keys)]
+    repeated = tokenizer(FILLER, add_special_tokens=False).input_ids
+    readings = [(name, length) for name in args.readings.split(",")
+                for length in ([args.full_length] if name == "full" else lengths)]
     rows = []
     print(f"{'reading':>8}{'form':>10}{'length':>8}{'depth':>7}{'recalled':>10}{'seconds':>9}", flush=True)
-    for length in map(int, args.lengths.split(",")):
-        for form in args.forms.split(","):
-            for depth in map(float, args.depths.split(",")):
-                prompts = []
-                for _ in range(args.keys):
-                    key = str(rng.randint(10000, 99999))
-                    if form == "natural":
-                        start = rng.randrange(len(natural) - length)
-                        filler = natural[start : start + length]
-                    else:
-                        filler = tokenizer(FILLER, add_special_tokens=False).input_ids
-                    prompts.append((key, prompt_ids(tokenizer, length, depth, key, filler)))
-                for name in args.readings.split(","):
-                    if name == "full" and length > args.full_max:
-                        continue
-                    began = time.perf_counter()
-                    answers = [reply(readings[name], ids, tokenizer, args.memory_directory) for _, ids in prompts]
-                    hits = sum(key in answer for (key, _), answer in zip(prompts, answers))
-                    seconds = time.perf_counter() - began
-                    rows.append({"reading": name, "form": form, "length": length, "depth": depth, "recalled": hits,
-                                 "keys": args.keys, "seconds": seconds, "answers": answers,
-                                 "keys_hidden": [key for key, _ in prompts]})
-                    print(f"{name:>8}{form:>10}{length:>8}{depth:>7}{hits:>7} /{args.keys}{seconds:>9.1f}", flush=True)
+    for name, length in sorted(readings, key=lambda reading: reading[1]):
+        for (form, depth), keys in cells.items():
+            prompts = [(key, prompt_ids(tokenizer, length, depth, key,
+                                        natural[start : start + length] if form == "natural" else repeated))
+                       for key, start in keys]
+            began = time.perf_counter()
+            answers = [reply(models[name], ids, tokenizer, args.memory_directory) for _, ids in prompts]
+            hits = sum(key in answer for (key, _), answer in zip(prompts, answers))
+            seconds = time.perf_counter() - began
+            rows.append({"reading": name, "form": form, "length": length, "depth": depth, "recalled": hits,
+                         "keys": args.keys, "seconds": seconds, "answers": answers,
+                         "keys_hidden": [key for key, _ in prompts]})
+            print(f"{name:>8}{form:>10}{length:>8}{depth:>7}{hits:>7} /{args.keys}{seconds:>9.1f}", flush=True)
+    full = {(row["form"], row["depth"]): row["recalled"] for row in rows if row["reading"] == "full"}
+    if full:
+        print(f"\nagainst full attention at {args.full_length} on the same keys (recalled / full's)")
+        for row in rows:
+            if row["reading"] != "full" and (row["form"], row["depth"]) in full:
+                reference = full[row["form"], row["depth"]]
+                row["full_recalled"] = reference
+                print(f"{row['reading']:>8}{row['form']:>10}{row['length']:>8}{row['depth']:>7}"
+                      f"{row['recalled']:>5} / {reference}{'' if row['recalled'] >= reference else '  below'}")
     print(f"peak RSS {peak_rss_mb():.0f} MB", flush=True)
     write_output(args, {"rows": rows, "peak_rss_mb": peak_rss_mb()})
     return 0

@@ -8,7 +8,7 @@ checkpoint as published (full attention) with the same passage, after the 1,024 
 --reference_gap (2,000) tokens later, inside its training length. Each passage also gets its first-reading NLL (what nothing remembered would give).
 Printed per passage and on average: the four NLLs and memory / reference.
 
-    python benchmarks/memory_reread.py [--passages 3] [--gap 32768] [--output memory_reread.json]
+    python benchmarks/memory_reread.py [--passages 3] [--gap 32768] [--device cuda] [--output memory_reread.json]
 """
 
 import argparse
@@ -30,6 +30,7 @@ PASSAGE = 256
 @torch.no_grad()
 def passage_nll(model, ids: torch.Tensor) -> float:
     """Mean NLL of the last PASSAGE tokens of `ids` (1, n), each given everything before it."""
+    ids = ids.to(model.device)
     logits = model(ids, logits_to_keep=PASSAGE + 1).logits[0, :-1].float()
     return torch.nn.functional.cross_entropy(logits, ids[0, -PASSAGE:]).item()
 
@@ -45,11 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory_blocks", type=int, default=16)
     parser.add_argument("--memory_block_size", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     path = str(real_checkpoint(args.model))
-    published, tokenizer = load_model(path).eval(), load_tokenizer(path)
+    published, tokenizer = load_model(path, device=args.device).eval(), load_tokenizer(path)
     window = lex_from_hf(published, "sliding", args.window, args.sinks, "cache").eval()
     memory = lex_from_hf(published, "sliding", args.window, args.sinks, "cache",
                          attention_memory_blocks=args.memory_blocks,
