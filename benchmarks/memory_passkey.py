@@ -7,11 +7,12 @@ key? The pass key is"). In SmolLM2-135M-Instruct's chat template the checkpoint 
 in full attention at 2k-4k tokens (3 of 6); in plain text it recalled 6 of 6. Filler is
 the landmark-attention sentences repeated (`repeated`) or natural text (`natural`: --filler_text, by default the
 42 works of ../shared/data/shakespeare, each key's filler from its own random place), the harder form. A key is
-recalled when the reply holds it. A key and its place in the
-natural filler are drawn once per form, depth and key number and read at every length, so full attention as published,
-which reads only --full_length (default 4,096, inside the training length), reads the same keys as the windowed
-models read at every length. Each row prints as it is measured (reading, form, length, depth, recalled of --keys, the
-seconds the cell took); at the end, each windowed cell against full attention's on the same keys and depth.
+recalled when the reply holds it. A key and its place in the natural filler are drawn once per form, depth and key
+number and read at every length, so full attention as published, which reads only --full_length (default 4,096,
+inside the training length), reads the same keys as the windowed models. Each row prints as it is measured
+(reading, form, length, depth, recalled of --keys, the seconds the cell took) and --output is rewritten after each
+(a run stopped by a time limit keeps its rows); at the end, each windowed cell against full attention's on the same
+keys and depth.
 
     python benchmarks/memory_passkey.py [--lengths 8192,32768,131072] [--depths 0.1,0.5,0.9] [--keys 3]
         [--forms repeated,natural] [--memory_blocks 16] [--memory_block_size 64] [--device cuda]
@@ -121,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                          "keys": args.keys, "seconds": seconds, "answers": answers,
                          "keys_hidden": [key for key, _ in prompts]})
             print(f"{name:>8}{form:>10}{length:>8}{depth:>7}{hits:>7} /{args.keys}{seconds:>9.1f}", flush=True)
+            write_output(args, {"rows": rows, "peak_rss_mb": peak_rss_mb()})
     full = {(row["form"], row["depth"]): row["recalled"] for row in rows if row["reading"] == "full"}
     if full:
         print(f"\nagainst full attention at {args.full_length} on the same keys (recalled / full's)")
