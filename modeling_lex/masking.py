@@ -199,9 +199,9 @@ def _dense_tile(
             position_method, (factors, bias, distance), frame, ctx.query_positions[:, queries], sink_positions)
         if sink_query_factors is not None and position_method.per_token and queries.stop - queries.start == 1:
             sink_key_rotation, sink_query_factors = inverse_rotation(sink_query_factors).unsqueeze(1), None
-            in_order = sink_columns == torch.arange(n_sinks, device=sink_columns.device)
             sinks_in_slots = (keys.start == 0 and ctx.sink_index.shape[1] == n_sinks and not torch.compiler
-                              .is_compiling() and bool(in_order.all()))
+                              .is_compiling()
+                              and bool((sink_columns == torch.arange(n_sinks, device=sink_columns.device)).all()))
         elif sink_query_factors is not None:
             sink_query_factors = sink_query_factors.unsqueeze(1)
     memory_place, n_memory = None, 0
