@@ -223,12 +223,7 @@ def build_model(model_args: ModelArguments, block_size: int, tokenizer):
     overrides."""
     if model_args.model_name_or_path:
         model = load_for_training(model_args.model_name_or_path, **conversion_arguments(model_args))
-        window = getattr(model.config, "attention_window", None) or model.config.max_position_embeddings
-        if block_size > window:
-            raise DataError(
-                f"--block_size {block_size} exceeds the model's attention_window {window}: training beyond the "
-                "window would silently drop context; pass a smaller --block_size"
-            )
+        log_window(model.config, block_size)
         if len(tokenizer) > model.config.vocab_size:
             model.resize_token_embeddings(len(tokenizer))
         return model
@@ -242,9 +237,17 @@ def build_model(model_args: ModelArguments, block_size: int, tokenizer):
         config = LexConfig(**overrides)
     except (StrictDataclassError, ValueError) as error:  # a field's type or choice, or a class validator
         raise DataError(f"--config_overrides: {error}") from None
-    if block_size > config.attention_window:
-        raise DataError(f"--block_size {block_size} exceeds attention_window {config.attention_window}")
+    log_window(config, block_size)
     return AutoModelForCausalLM.from_config(config)
+
+
+def log_window(config: LexConfig, block_size: int) -> None:
+    """Blocks longer than a blockwise or sliding window train the model to read through that window, as it will
+    at inference (a window of 1,024 fine-tuned at 2,048 tokens); say so, since each token then sees at most w."""
+    if config.attention_mode != "full" and block_size > config.attention_window:
+        logger.warning("--block_size %d is longer than the %s attention window %d: every token is trained on at most "
+                       "the %d tokens its window shows", block_size, config.attention_mode, config.attention_window,
+                       config.attention_window)
 
 
 def named_tokenizer(source: str, flag: str):
