@@ -11,7 +11,8 @@ natural filler; and benchmarks/RESULTS.md: with 4 of a block of 64, no key hidde
 tokens was recalled, with 8 two of three, with 16 three of three).
 
 The retrieval rule (one forward, one layer): b of the forward's T queries q (every ceil(T / b)-th, ending at its
-last: the whole forward reads the blocks, so they choose together; a decoding step's one query; per head, before
+last: the whole forward reads the blocks, so they choose together; a decoding step's one query, when a block has
+completed since the layer last chose, else the step reads the blocks chosen then; per head, before
 positions, times the attention's scale) score every candidate block j (`MemoryRead.candidates`: complete,
 every token real, after the sinks of the last query's document) as the sum over those queries and query heads h
 of the square of the share that their softmax over the candidates gives j, each block's logit being max over its
@@ -39,7 +40,9 @@ with each share squared, 0.74 and 0.71.
 
 The store grows with the document by its keys' and values' bytes (the model's dtype) plus the representatives (a
 quarter of each block's keys); attention per token stays O(S + k*b + w), and choosing the blocks reads the
-representatives of every candidate block (E / 4 keys per key/value head). With `directory` set, the store lives in
+representatives of every candidate block (E / 4 keys per key/value head): once per forward of more than one
+token, and while decoding once per completed block (every b steps in sliding mode: choosing at every step made
+decoding the memory's main cost, benchmarks/RESULTS.md). With `directory` set, the store lives in
 memory-mapped files there (unlinked at once: the pages stay the process's until it drops them, and the files
 vanish with it).
 """
@@ -145,6 +148,8 @@ class BlockMemory:
         self.block, self.slots, self.directory = block, slots, directory
         self.keys = self.values = self.representatives = None
         self.length = 0  # tokens held (E)
+        self.chosen: torch.Tensor | None = None  # (B, k): the blocks the last choosing forward read
+        self.chosen_among = 0  # complete blocks there were then
 
     @property
     def blocks(self) -> int:
@@ -183,12 +188,15 @@ class BlockMemory:
     def read(self, query: torch.Tensor, read: MemoryRead) -> tuple[torch.Tensor, torch.Tensor]:
         """The k slots' keys and values (B, H, k*block, d) for b of the forward's queries (B, Hq, m, d), raw; the
         empty slots (first) hold block 0, masked by the plan. This layer's scores join the forward's evidence (the
-        layers below it), which chooses."""
+        layers below it), which chooses; a forward of one token among the same complete blocks as the last choice
+        (a decoding step before the next block completes) reads the blocks chosen then."""
         blocks = read.candidates.shape[1]
-        scores = block_scores(query, self.representatives[:, :, :blocks], read.candidates)
-        read.evidence += scores
-        chosen = choose_blocks(torch.where(read.candidates, read.evidence, -torch.inf), self.slots)  # (B, k)
-        return self._blocks(self.keys, chosen), self._blocks(self.values, chosen)
+        if query.shape[2] > 1 or self.chosen is None or blocks != self.chosen_among:
+            scores = block_scores(query, self.representatives[:, :, :blocks], read.candidates)
+            read.evidence += scores
+            self.chosen = choose_blocks(torch.where(read.candidates, read.evidence, -torch.inf), self.slots)
+            self.chosen_among = blocks
+        return self._blocks(self.keys, self.chosen), self._blocks(self.values, self.chosen)
 
     def _blocks(self, held: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """held (B, H, capacity, d) at blocks chosen (B, k), -1 read as block 0 -> (B, H, k*block, d): whole blocks
@@ -206,6 +214,8 @@ class BlockMemory:
             return
         self.keys, self.values = function(self.keys), function(self.values)  # (capacity kept: see _blocks)
         self.representatives = function(self.representatives[:, :, : self.blocks])
+        if self.chosen is not None:
+            self.chosen = function(self.chosen)
 
 
 __all__ = ["BlockMemory", "block_representatives", "block_scores", "choose_blocks", "representative_count"]

@@ -309,7 +309,8 @@ def memory_forward(state, config, input_ids, forwards, margins=None):
     the block's b // 4 keys (at least 1) of largest norm r (per key/value head, before positions). A layer ranks the
     blocks by its score plus the scores of the layers below it in the same forward. The best k // 3
     blocks (of equal sums, the later), each with the candidates beside it, then the best of the rest up to k, in
-    stream order, fill the last slots of k; slot s's token t is seen at distance (query - its window's first
+    stream order, fill the last slots of k (a forward of one token among as many complete blocks as at the layer's last
+    choice reads the blocks chosen then, and adds no score); slot s's token t is seen at distance (query - its window's first
     token) + k*b - (s*b + t), sink j at (query - window's first) + k*b + S - j. Supports xpos, rope, decay, alibi,
     none. `margins`: a list that receives, per forward and layer that chose among more than k blocks, the gap
     between the (k // 3)-th best score (k < 3: the best) and the next (a float32 model may choose otherwise where it
@@ -347,6 +348,22 @@ def memory_forward(state, config, input_ids, forwards, margins=None):
             value = value - alibi_slopes(h)[head] * (q_at - k_at).double()
         return value
 
+    def attend(a, count, memory):
+        """Queries a ... a + count - 1 of the layer (q, k, v, attn of the loop below) over the window, the sinks and
+        `memory`: (stream index, place in the memory's slots)."""
+        for i in range(a, a + count):
+            first = window_first(i)
+            offset = i - first
+            for head in range(h):
+                kv = head // group
+                seen = [(j, i - j) for j in range(first, i + 1)]  # (key, distance)
+                seen += [(j, offset + memory_places + sinks - j) for j in range(min(sinks, first))]
+                seen += [(j, offset + memory_places - place) for j, place in memory]
+                index = torch.tensor([j for j, _ in seen])
+                at = i - torch.tensor([dist for _, dist in seen])
+                weights = torch.softmax(scores_of(q[i, head], k[index, kv], i, at, head), 0)
+                attn[i, head] = weights @ v[index, kv]
+
     starts = [sum(forwards[:f]) for f in range(len(forwards))]
     evidence = [{} for _ in forwards]  # per forward: block -> the scores of the layers read so far
     x = sd["model.embed_tokens.weight"][input_ids] * config.embedding_scale
@@ -356,10 +373,14 @@ def memory_forward(state, config, input_ids, forwards, margins=None):
         q, k, v = (lin(y, p + f"self_attn.{name}_proj") for name in "qkv")
         q, k, v = q.view(n, h, d), k.view(n, -1, d), v.view(n, -1, d)
         attn = torch.zeros(n, h, d, dtype=torch.float64)
+        held = None  # (complete blocks, memory) of this layer's last choice
         for a, count, summed in zip(starts, forwards, evidence):
             evicted = max(0, a - w + 1) if mode == "sliding" else max(0, (a // half - 1) * half)
             candidates = [j for j in range(evicted // block) if j * block >= sinks]
             last = a + count - 1
+            if count == 1 and held is not None and held[0] == evicted // block:
+                attend(a, count, held[1])  # one token among the same blocks: what was chosen then
+                continue
 
             def block_logit(j, head, query):
                 keys = k[j * block : (j + 1) * block, head // group]
@@ -388,18 +409,8 @@ def memory_forward(state, config, input_ids, forwards, margins=None):
             for rank, j in enumerate(sorted(chosen)):
                 slot = slots - len(chosen) + rank
                 memory += [(j * block + t, slot * block + t) for t in range(block)]
-            for i in range(a, a + count):
-                first = window_first(i)
-                offset = i - first
-                for head in range(h):
-                    kv = head // group
-                    seen = [(j, i - j) for j in range(first, i + 1)]  # (key, distance)
-                    seen += [(j, offset + memory_places + sinks - j) for j in range(min(sinks, first))]
-                    seen += [(j, offset + memory_places - place) for j, place in memory]
-                    index = torch.tensor([j for j, _ in seen])
-                    at = i - torch.tensor([dist for _, dist in seen])
-                    weights = torch.softmax(scores_of(q[i, head], k[index, kv], i, at, head), 0)
-                    attn[i, head] = weights @ v[index, kv]
+            held = (evicted // block, memory)
+            attend(a, count, memory)
         x = x + lin(attn.reshape(n, h * d), p + "self_attn.o_proj")
         y = ln(x, p + "final_layer_norm")
         if config.mlp_type == "gated":

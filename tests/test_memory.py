@@ -207,6 +207,29 @@ def test_sampling_beams_and_a_returned_cache():
     assert more.shape == (2, 2 * W + 8)
 
 
+def test_reordered_rows_keep_their_chosen_blocks(monkeypatch):
+    """A decoding step between two block completions reads the blocks chosen before it; after a beam reorder (rows
+    swapped) each row reads those its own prompt chose: the swapped cache's step gives the swapped logits."""
+    import copy
+
+    config = memory_config(position_embedding_type="rope", attention_mode="sliding", attention_sinks=4)
+    model = perturbed_model(config, seed=9)
+    ids = torch.cat([distinct_prompt(4 * W + 2, seed=9), distinct_prompt(4 * W + 2, seed=10)])
+    cache = LexCache(config)
+    with torch.no_grad():
+        model(ids, cache=cache)  # (the prompt's last token, read alone, chooses)
+        chosen = [layer.memory.chosen for layer in cache.layers]
+        assert any(not torch.equal(rows[0], rows[1]) for rows in chosen)  # the rows chose differently
+        swapped = copy.deepcopy(cache)
+        swapped.reorder_cache(torch.tensor([1, 0]))
+        scored = []
+        monkeypatch.setattr(memory, "block_scores", lambda *args: scored.append(1))
+        step = ids[:, -1:]
+        expected = model(step, cache=cache).logits[[1, 0]]
+        assert not scored  # no block completed since: the step read the blocks chosen before it
+        torch.testing.assert_close(model(step[[1, 0]], cache=swapped).logits, expected, atol=1e-6, rtol=0)
+
+
 def test_memory_mapped_store(tmp_path):
     """`LexCache(config, memory_directory=...)`: the store in memory-mapped files there (unlinked at once), the same
     logits and bytes as in RAM."""
