@@ -157,7 +157,8 @@ def main() -> None:
                     **read(model, tokenizer, document, args.lengths if mode != "full" else inside, args)})
             del model
             gc.collect()
-            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     if "published" in wanted:
         variants = attention_variants(str(args.model), ["full", "sliding", "blockwise"], [0, args.sinks],
                                       args.device, attention_window=args.window)
