@@ -47,13 +47,18 @@ TRAINED = {  # row: (number, lex train's attention flags)
 }
 
 
-def write_corpus(folder: Path) -> tuple[Path, str]:
-    """The Old Testament as one .txt per book under folder/train, and the New Testament as one text."""
+def write_corpus(folder: Path) -> str:
+    """The Old Testament as one .txt per book in `folder` (the training files); the New Testament as one text."""
     books = kjv_books()
-    (folder / "train").mkdir(parents=True, exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
     for number, book in enumerate(books[:OLD_TESTAMENT]):
-        (folder / "train" / f"{number:02d}_{book['title'].replace(' ', '_')}.txt").write_text(book["text"])
-    return folder / "train", "\n\n".join(book["text"] for book in books[OLD_TESTAMENT:])
+        (folder / f"{number:02d}_{book['title'].replace(' ', '_')}.txt").write_text(book["text"])
+    return "\n\n".join(book["text"] for book in books[OLD_TESTAMENT:])
+
+
+def distances(window: int) -> list[int]:
+    """How far back the passkey probe hides its keys: w/4, w/2, w, 2w, 4w."""
+    return [window // 4, window // 2, window, 2 * window, 4 * window]
 
 
 def train_row(args, name: str, out: Path) -> dict:
@@ -63,13 +68,14 @@ def train_row(args, name: str, out: Path) -> dict:
         torch.cuda.reset_peak_memory_stats()
     began = time.perf_counter()
     status = lex(["train", "--output_dir", str(out), "--overwrite_output_dir", "--model_name_or_path", str(args.model),
-                  "--train_files", str(args.output_dir / "corpus" / "train" / "*.txt"), "--do_train",
+                  "--train_files", str(args.output_dir / "train" / "*.txt"), "--do_train",
                   "--block_size", str(args.block_size), "--attention_window", str(args.window), *flags,
                   "--max_steps", str(args.steps), "--save_steps", str(args.steps // 2), "--save_only_model",
                   "--per_device_train_batch_size", str(args.batch_size), "--learning_rate", str(args.learning_rate),
                   "--lr_scheduler_type", "cosine", "--warmup_steps", str(max(1, args.steps // 10)),
                   "--weight_decay", "0", "--seed", str(args.seed), "--data_seed", str(args.seed),
-                  "--logging_steps", str(min(5, args.steps)), "--report_to", "none", "--disable_tqdm", "true", "--log_level", "warning",
+                  "--logging_steps", str(min(5, args.steps)), "--report_to", "none", "--disable_tqdm", "true",
+                  "--log_level", "warning",
                   *(["--bf16"] if args.bf16 else []), *(["--use_cpu"] if args.device == "cpu" else [])])
     if status != 0:
         raise SystemExit(f"lex train of {name} failed with status {status}")
@@ -87,21 +93,20 @@ def read(model, tokenizer, document: torch.Tensor, lengths: list[int], args) -> 
     began = time.perf_counter()
     scores = perplexity_by_length(model, [document], lengths, "segments", batch_size=args.eval_batch_size,
                                   document_tokens=max(args.lengths))
-    distances = [args.window // 4, args.window // 2, args.window, 2 * args.window, 4 * args.window]
-    keys = probe(model, tokenizer, distances, trials=args.trials, seed=args.seed)
+    keys = probe(model, tokenizer, distances(args.window), trials=args.trials, seed=args.seed)
     return {"ppl": {length: score.ppl for length, score in scores.items()},
             "passkey": {row["distance"]: row["accuracy"] for row in keys},
             "passkey_nll": {row["distance"]: row["key_nll_per_token"] for row in keys},
             "read_seconds": time.perf_counter() - began}
 
 
-def table(rows: list[dict], lengths: list[int], distances: list[int]) -> str:
-    head = ["row", "reading", "steps"] + [f"ppl {n}" for n in lengths] + [f"key {d}" for d in distances]
+def table(rows: list[dict], lengths: list[int], window: int) -> str:
+    head = ["row", "reading", "steps"] + [f"ppl {n}" for n in lengths] + [f"key {d}" for d in distances(window)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["row"], r["reading"], str(r.get("steps", 0))]
         cells += [f"{r['ppl'][n]:.2f}" if n in r["ppl"] else "" for n in lengths]
-        cells += [f"{r['passkey'][d]:.0%}" for d in distances]
+        cells += [f"{r['passkey'][d]:.0%}" for d in distances(window)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -130,7 +135,7 @@ def main() -> None:
         raise SystemExit(f"--steps must be even and >= 2 (read at half of them too), got {args.steps}")
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     tokenizer = load_tokenizer(str(args.model))
-    train_files, held_out = write_corpus(args.output_dir / "corpus")
+    held_out = write_corpus(args.output_dir / "train")
     document = torch.tensor(tokenizer(held_out, add_special_tokens=False).input_ids)
     l = load_model(str(args.model)).config.max_position_embeddings
     args.lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else [l // 8, l, 4 * l, 16 * l]
@@ -167,8 +172,7 @@ def main() -> None:
             reading = mode + (f" + {sinks} sinks" if sinks else "")
             record({"row": "published", "number": 1 if mode == "full" else 2, "reading": reading,
                     **read(model, tokenizer, document, args.lengths if mode != "full" else inside, args)})
-    distances = [args.window // 4, args.window // 2, args.window, 2 * args.window, 4 * args.window]
-    print(table(sorted(rows, key=lambda r: (r["number"], r["reading"], r.get("steps", 0))), args.lengths, distances))
+    print(table(sorted(rows, key=lambda r: (r["number"], r["reading"], r.get("steps", 0))), args.lengths, args.window))
     for t in trained:
         print(f"{t['row']}: {t['tokens_trained']} tokens in {t['train_runtime']:.0f} s (loss {t['first_loss']:.3f} -> "
               f"{t['last_loss']:.3f}), peak RSS {t['peak_rss_mb']:.0f} MB"

@@ -309,9 +309,9 @@ def memory_forward(state, config, input_ids, forwards, margins=None):
     the block's b // 4 keys (at least 1) of largest norm r (per key/value head, before positions). A layer ranks the
     blocks by its score plus the scores of the layers below it in the same forward. The best k // 3
     blocks (of equal sums, the later), each with the candidates beside it, then the best of the rest up to k, in
-    stream order, fill the last slots of k (a forward of one token among as many complete blocks as at the layer's last
-    choice reads the blocks chosen then, and adds no score); slot s's token t is seen at distance (query - its window's first
-    token) + k*b - (s*b + t), sink j at (query - window's first) + k*b + S - j. Supports xpos, rope, decay, alibi,
+    stream order, fill the last slots of k (a forward of one token among as many complete blocks as at the layer's
+    last choice reads the blocks chosen then, and adds no score); slot s's token t is seen at distance (query - its
+    window's first token) + k*b - (s*b + t), sink j at (query - window's first) + k*b + S - j. Supports xpos, rope, decay, alibi,
     none. `margins`: a list that receives, per forward and layer that chose among more than k blocks, the gap
     between the (k // 3)-th best score (k < 3: the best) and the next (a float32 model may choose otherwise where it
     is tiny)."""
