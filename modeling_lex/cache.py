@@ -205,6 +205,8 @@ class LexCacheLayer(DynamicLayer):
             first = begin if record.keep is None else end - record.keep
             self._hold(which, buffer, first, end, sinks, rewrite=record.sink_source is not None or first != begin)
         self._rotated = False
+        if self.memory is not None:
+            self.memory.commit()
         if evicted:
             self.memory.append(*evicted)
 

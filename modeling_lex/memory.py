@@ -150,6 +150,7 @@ class BlockMemory:
         self.length = 0  # tokens held (E)
         self.chosen: torch.Tensor | None = None  # (B, k): the blocks the last choosing forward read
         self.chosen_among = 0  # complete blocks there were then
+        self.pending: tuple[torch.Tensor, int] | None = None  # this forward's choice, held once it commits
 
     @property
     def blocks(self) -> int:
@@ -189,14 +190,22 @@ class BlockMemory:
         """The k slots' keys and values (B, H, k*block, d) for b of the forward's queries (B, Hq, m, d), raw; the
         empty slots (first) hold block 0, masked by the plan. This layer's scores join the forward's evidence (the
         layers below it), which chooses; a forward of one token among the same complete blocks as the last choice
-        (a decoding step before the next block completes) reads the blocks chosen then."""
+        (a decoding step before the next block completes) reads the blocks chosen then. A new choice is held from
+        `commit` on, so a forward that raises leaves none."""
         blocks = read.candidates.shape[1]
         if query.shape[2] > 1 or self.chosen is None or blocks != self.chosen_among:
             scores = block_scores(query, self.representatives[:, :, :blocks], read.candidates)
             read.evidence += scores
-            self.chosen = choose_blocks(torch.where(read.candidates, read.evidence, -torch.inf), self.slots)
-            self.chosen_among = blocks
-        return self._blocks(self.keys, self.chosen), self._blocks(self.values, self.chosen)
+            self.pending = choose_blocks(torch.where(read.candidates, read.evidence, -torch.inf), self.slots), blocks
+            chosen = self.pending[0]
+        else:
+            self.pending, chosen = None, self.chosen
+        return self._blocks(self.keys, chosen), self._blocks(self.values, chosen)
+
+    def commit(self) -> None:
+        """The forward completed: its choice, if it made one, is the one later steps read."""
+        if self.pending is not None:
+            (self.chosen, self.chosen_among), self.pending = self.pending, None
 
     def _blocks(self, held: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """held (B, H, capacity, d) at blocks chosen (B, k), -1 read as block 0 -> (B, H, k*block, d): whole blocks

@@ -230,6 +230,30 @@ def test_reordered_rows_keep_their_chosen_blocks(monkeypatch):
         torch.testing.assert_close(model(step[[1, 0]], cache=swapped).logits, expected, atol=1e-6, rtol=0)
 
 
+def test_a_forward_that_raises_leaves_the_choice_as_it_was():
+    """A decoding step that raises after the second layer's attention, with another token than the one that follows:
+    the layers that chose before the fault hold no choice of it (it is kept when the forward commits), so every next
+    step reads as a cache that never saw the fault."""
+    config = memory_config(position_embedding_type="rope", attention_mode="sliding", attention_sinks=4)
+    model = perturbed_model(config, seed=12)
+    ids = distinct_prompt(4 * W + 12, seed=12)
+    faulty, clean = LexCache(config), LexCache(config)
+
+    def boom(*_):
+        raise RuntimeError("boom")
+
+    with torch.no_grad():
+        for cache in (faulty, clean):
+            model(ids[:, : 4 * W], cache=cache)
+        for step in range(4 * W, ids.shape[1]):  # steps that choose (a block completed) and steps that reuse
+            handle = model.model.layers[1].register_forward_hook(boom)
+            with pytest.raises(RuntimeError, match="boom"):
+                model(ids[:, step - 1 : step], cache=faulty)  # (another token, another query)
+            handle.remove()
+            torch.testing.assert_close(model(ids[:, step : step + 1], cache=faulty).logits,
+                                       model(ids[:, step : step + 1], cache=clean).logits, atol=0, rtol=0)
+
+
 def test_memory_mapped_store(tmp_path):
     """`LexCache(config, memory_directory=...)`: the store in memory-mapped files there (unlinked at once), the same
     logits and bytes as in RAM."""
