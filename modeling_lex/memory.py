@@ -150,7 +150,9 @@ class BlockMemory:
         self.length = 0  # tokens held (E)
         self.chosen: torch.Tensor | None = None  # (B, k): the blocks the last choosing forward read
         self.chosen_among = 0  # complete blocks there were then
-        self.pending: tuple[torch.Tensor, int] | None = None  # this forward's choice, held once it commits
+        self.recalled: tuple[torch.Tensor, torch.Tensor] | None = None  # their keys and values, read then
+        self.pending: tuple[torch.Tensor, int, tuple[torch.Tensor, torch.Tensor]] | None = None  # this forward's
+        # choice, its count of blocks and their keys and values, held once it commits
 
     @property
     def blocks(self) -> int:
@@ -190,22 +192,24 @@ class BlockMemory:
         """The k slots' keys and values (B, H, k*block, d) for b of the forward's queries (B, Hq, m, d), raw; the
         empty slots (first) hold block 0, masked by the plan. This layer's scores join the forward's evidence (the
         layers below it), which chooses; a forward of one token among the same complete blocks as the last choice
-        (a decoding step before the next block completes) reads the blocks chosen then. A new choice is held from
-        `commit` on, so a forward that raises leaves none."""
+        (a decoding step before the next block completes) reads the blocks chosen then, as they were read then
+        (held with the choice: gathering them again at every step was a tenth of a decoding step at 4k tokens). A
+        new choice is held from `commit` on, so a forward that raises leaves none. The tensors returned are read,
+        never written."""
         blocks = read.candidates.shape[1]
         if query.shape[2] > 1 or self.chosen is None or blocks != self.chosen_among:
             scores = block_scores(query, self.representatives[:, :, :blocks], read.candidates)
             read.evidence += scores
-            self.pending = choose_blocks(torch.where(read.candidates, read.evidence, -torch.inf), self.slots), blocks
-            chosen = self.pending[0]
-        else:
-            self.pending, chosen = None, self.chosen
-        return self._blocks(self.keys, chosen), self._blocks(self.values, chosen)
+            chosen = choose_blocks(torch.where(read.candidates, read.evidence, -torch.inf), self.slots)
+            self.pending = chosen, blocks, (self._blocks(self.keys, chosen), self._blocks(self.values, chosen))
+            return self.pending[2]
+        self.pending = None
+        return self.recalled
 
     def commit(self) -> None:
         """The forward completed: its choice, if it made one, is the one later steps read."""
         if self.pending is not None:
-            (self.chosen, self.chosen_among), self.pending = self.pending, None
+            (self.chosen, self.chosen_among, self.recalled), self.pending = self.pending, None
 
     def _blocks(self, held: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """held (B, H, capacity, d) at blocks chosen (B, k), -1 read as block 0 -> (B, H, k*block, d): whole blocks
@@ -224,7 +228,7 @@ class BlockMemory:
         self.keys, self.values = function(self.keys), function(self.values)  # (capacity kept: see _blocks)
         self.representatives = function(self.representatives[:, :, : self.blocks])
         if self.chosen is not None:
-            self.chosen = function(self.chosen)
+            self.chosen, self.recalled = function(self.chosen), tuple(map(function, self.recalled))
 
 
 __all__ = ["BlockMemory", "block_representatives", "block_scores", "choose_blocks", "representative_count"]
