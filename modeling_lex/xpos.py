@@ -59,9 +59,9 @@ def apply_rotary(x: torch.Tensor, factors: torch.Tensor, out: torch.Tensor | Non
     its factor from `rotary_factors`: TorchScale's rotation (x0 cos - x1 sin, x1 cos + x0 sin) and scale, taken in
     float32. Eager, as one complex product: one pass over x, where the real form takes four element-wise ops, each
     reading and writing all of it; compiled, in the real form, which inductor fuses into one kernel (it generates
-    no code for complex numbers, torch 2.13). `out` (x's shape and dtype, eager): written with the result and
-    returned, in float32 as the product itself (no copy of it: the cache rotates its block memory's keys into
-    their places so)."""
+    no code for complex numbers, torch 2.13). `out` (x's shape and dtype): written with the result and returned;
+    eager in float32, the complex product is written there itself, with no copy (the cache rotates its block
+    memory's keys into their places in its span so)."""
     pairs, f = x.float().unflatten(-1, (-1, 2)), factors.unflatten(-1, (-1, 2))
     if torch.compiler.is_compiling():
         x0, x1, cos, sin = pairs[..., 0], pairs[..., 1], f[..., 0], f[..., 1]
