@@ -100,18 +100,26 @@ def block_representatives(keys: torch.Tensor, block: int) -> torch.Tensor:
     return blocks.gather(3, top[..., None].expand(*top.shape, keys.shape[-1]))
 
 
+SCORED_BLOCKS_AT_ONCE = 256  # the logits of one slice: (B, Hkv, Hq / Hkv * b, 256 * r), 9 MB for SmolLM2-135M
+
+
 def block_scores(query: torch.Tensor, representatives: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
     """queries (B, Hq, m, d), scaled as attention scales them, against representatives (B, Hkv, n, r, d) of blocks
     of which `candidates` (B, n) may be read -> (B, n), 0 where no candidate: over query heads and queries, the
     sum of the squared share of each one's softmax over the candidates that the block's best representative
-    takes."""
+    takes. The representatives are scored `SCORED_BLOCKS_AT_ONCE` blocks at a time, so that the temporaries stay
+    of one size however long the document (the logits of all of them at once were 75 MB a layer at 131k tokens,
+    and glibc kept what they left behind)."""
     batch, heads, queries, width = query.shape
     kv_heads, blocks = representatives.shape[1:3]
     grouped = query.reshape(batch, kv_heads, heads // kv_heads * queries, width).float()
-    logits = (grouped @ representatives.flatten(2, 3).float().transpose(-1, -2)).unflatten(-1, (blocks, -1)).amax(-1)
-    logits = logits.masked_fill(~candidates[:, None, None, :], -torch.inf)
-    shares = logits.softmax(-1).nan_to_num(0.0)  # a row without candidates: nothing to share
-    return shares.square().sum((1, 2))
+    best = grouped.new_empty(batch, kv_heads, grouped.shape[2], blocks)  # each block's best logit
+    for start in range(0, blocks, SCORED_BLOCKS_AT_ONCE):
+        part = representatives[:, :, start : start + SCORED_BLOCKS_AT_ONCE]
+        logits = grouped @ part.flatten(2, 3).float().transpose(-1, -2)
+        best[..., start : start + part.shape[2]] = logits.unflatten(-1, (part.shape[2], -1)).amax(-1)
+    shares = best.masked_fill_(~candidates[:, None, None, :], -torch.inf).softmax(-1)
+    return shares.nan_to_num_(0.0).square_().sum((1, 2))  # a row without candidates: nothing to share
 
 
 def _ranked(scores: torch.Tensor) -> torch.Tensor:

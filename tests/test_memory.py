@@ -92,6 +92,23 @@ def test_cached_reading_matches_the_reference(method, mode, sinks, monkeypatch):
     assert cache.layers[0].memory.length == cache.seen - cache.held > BLOCKS * BLOCK
 
 
+def test_blocks_scored_in_slices_match_the_reference(monkeypatch):
+    """The representatives scored 2 blocks at a time (the last slice short): the same choices and logits as the
+    reference, which scores every block at once."""
+    config = memory_config(position_embedding_type="rope", attention_mode="sliding", attention_sinks=4)
+    model = perturbed_model(config, seed=3)
+    calls = [W, W - 3, 5] + [1] * 12
+    ids = distinct_prompt(sum(calls), seed=3)
+    sliced = []
+    monkeypatch.setattr(memory, "SCORED_BLOCKS_AT_ONCE", 2)
+    scores = memory.block_scores
+    monkeypatch.setattr(memory, "block_scores", lambda query, reps, candidates: sliced.append(reps.shape[2]) or
+                        scores(query, reps, candidates))
+    logits = read(model, ids, calls, LexCache(config))
+    assert max(sliced) > 4 and any(count % 2 for count in sliced)  # several slices, some of them short
+    assert_reference(model, ids, as_read(calls), logits)
+
+
 @pytest.mark.parametrize("method", ["rope", "xpos"])
 def test_decoding_from_the_first_token_matches_the_reference(method):
     """Token by token from the start, so blocks complete one at a time and a forward has fewer candidate blocks than
