@@ -49,9 +49,9 @@ def _scored_states(model, ids: torch.Tensor) -> tuple[Iterator[tuple[int, torch.
     attention keeps every key, by nature. 2w rather than w: a forward of more than w new tokens runs each query
     against its <= w keys, one of w or fewer against all w + held keys (measured at w = 1024 on one CPU thread:
     0.73 against 0.83 s per 1,024 tokens). With a block memory (`attention_memory_blocks` > 0), as the model's
-    own long forward reads (`LexForCausalLM.reading_spans`: w tokens at a time, the last alone): the memory is read
-    once per forward, by its last query, and the model refuses a forward of more than w new tokens with it. Other
-    causal LMs give their logits in one forward, as published.
+    own long forward reads (`LexForCausalLM.reading_spans`: w tokens at a time, the last w in pieces of b, the last
+    token alone): the blocks are chosen once per forward, so its logits are the model's. Other causal LMs give their
+    logits in one forward, as published.
     """
     if model.config.model_type != "lex":
         return iter([(0, model(ids).logits)]), nn.Identity()

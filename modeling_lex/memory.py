@@ -21,7 +21,13 @@ block, so that a head which looks for one block weighs as much as a head whose l
 squared, so that one head that finds one block outweighs many that spread over the same few (the blocks after the
 sinks, which every query of some layers attends to). A layer ranks the blocks
 by its scores plus those of the layers below it in the same forward (`MemoryRead.evidence`): what a few heads of a
-few layers find (the heads that copy a passage seen before) carries to the layers above. The best floor(k / 3)
+few layers find (the heads that copy a passage seen before) carries to the layers above; and the forward's evidence
+starts from what the last forward that chose found (its layers' scores over their number, one layer's worth:
+`MemoryRead.carried`), so that a question read b tokens at a time (`LexForCausalLM.reading_spans`) hands what its
+words point to on to the token that answers (on SmolLM2-135M, benchmarks/RESULTS.md: of a key hidden in natural
+text at 90% of 32k tokens, the question read in pieces of 64 without this read the block in 21 of the last token's
+30 layers, and the key was missed; with it in 30 of 30, recalled; carried whole, not over the layers, what the
+filler had found outweighed the question). The best floor(k / 3)
 blocks are read each with the blocks beside it, so that a passage cut by a block boundary is read whole; the slots
 left take the best of the rest (of equal scores, always the later block).
 These min(k, candidates) blocks are read in stream order, in the last of the k slots (the first are empty, masked).
@@ -208,6 +214,7 @@ class BlockMemory:
         if query.shape[2] > 1 or self.chosen is None or blocks != self.chosen_among:
             scores = block_scores(query, self.representatives[:, :, :blocks], read.candidates)
             read.evidence += scores
+            read.layers_scored += 1
             chosen = choose_blocks(torch.where(read.candidates, read.evidence, -torch.inf), self.slots)
             self.pending = chosen, blocks, (self._blocks(self.keys, chosen), self._blocks(self.values, chosen))
             return self.pending[2]

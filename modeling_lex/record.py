@@ -100,7 +100,9 @@ class MemoryRead:
     candidates: torch.Tensor  # (B, blocks) bool: complete, all real, after the sinks of the last query's document
     token_valid: torch.Tensor  # (B, k * block) bool: the slot holds a block (the last min(k, candidates) slots)
     document: torch.Tensor  # (B,) stream index where the last query's document starts: its queries read the memory
-    evidence: torch.Tensor  # (B, blocks) float32: the layers' block scores summed so far in this forward (memory.py)
+    carried: torch.Tensor  # (B, blocks) float32: the evidence this forward starts from (the last choice's, memory.py)
+    evidence: torch.Tensor  # (B, blocks) float32: `carried` plus the block scores of the layers read so far
+    layers_scored: int = 0  # layers that scored the blocks in this forward (none: each read the last choice's)
 
 
 @dataclass

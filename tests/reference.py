@@ -307,7 +307,8 @@ def memory_forward(state, config, input_ids, forwards, margins=None):
     before positions): the sum over queries and heads of the square of the block's share of that query and head's
     softmax over the candidates of the best q . r / sqrt(d) over the block's b // 4 keys (at least 1) of largest
     norm r (per key/value head, before positions). A layer ranks the blocks by its score plus the scores of the
-    layers below it in the same forward. The best k // 3 blocks (of equal sums, the later), each with the
+    layers below it in the same forward plus what the last forward that chose found: the scores its layers added,
+    over the number of those layers (0 for a block that was no candidate then). The best k // 3 blocks (of equal sums, the later), each with the
     candidates beside it, then the best of the rest up to k, in stream order, fill the last slots of k (a forward
     of one token among as many complete blocks as at the layer's last choice reads the blocks chosen then, and adds
     no score); slot s's token t is seen at distance (query - its window's first token) + k*b - (s*b + t), sink j at
@@ -364,59 +365,71 @@ def memory_forward(state, config, input_ids, forwards, margins=None):
                 attn[i, head] = weights @ v[index, kv]
 
     starts = [sum(forwards[:f]) for f in range(len(forwards))]
-    evidence = [{} for _ in forwards]  # per forward: block -> the scores of the layers read so far
+    layers = range(config.num_hidden_layers)
+    # each layer's raw queries, keys and values of the tokens read so far
+    qs = [torch.zeros(n, h, d, dtype=torch.float64) for _ in layers]
+    ks = [torch.zeros(n, config.num_key_value_heads, d, dtype=torch.float64) for _ in layers]
+    vs = [torch.zeros(n, config.num_key_value_heads, d, dtype=torch.float64) for _ in layers]
+    held = [None for _ in layers]  # per layer: (complete blocks, memory) of its last choice
+    carried = {}  # block -> the scores the last forward that chose added, over the layers that added them
     x = sd["model.embed_tokens.weight"][input_ids] * config.embedding_scale
-    for layer in range(config.num_hidden_layers):
-        p = f"model.layers.{layer}."
-        y = ln(x, p + "self_attn_layer_norm")
-        q, k, v = (lin(y, p + f"self_attn.{name}_proj") for name in "qkv")
-        q, k, v = q.view(n, h, d), k.view(n, -1, d), v.view(n, -1, d)
-        attn = torch.zeros(n, h, d, dtype=torch.float64)
-        held = None  # (complete blocks, memory) of this layer's last choice
-        for a, count, summed in zip(starts, forwards, evidence):
-            evicted = max(0, a - w + 1) if mode == "sliding" else max(0, (a // half - 1) * half)
-            candidates = [j for j in range(evicted // block) if j * block >= sinks]
-            last = a + count - 1
-            if count == 1 and held is not None and held[0] == evicted // block:
-                attend(a, count, held[1])  # one token among the same blocks: what was chosen then
-                continue
+    for a, count in zip(starts, forwards):
+        rows = slice(a, a + count)
+        evicted = max(0, a - w + 1) if mode == "sliding" else max(0, (a // half - 1) * half)
+        candidates = [j for j in range(evicted // block) if j * block >= sinks]
+        last = a + count - 1
+        summed = {j: carried.get(j, 0.0) for j in candidates}  # block -> carried + the layers' scores so far
+        scored = 0  # layers that scored
+        for layer in layers:
+            p = f"model.layers.{layer}."
+            y = ln(x[rows], p + "self_attn_layer_norm")
+            q, k, v = qs[layer], ks[layer], vs[layer]
+            for name, into in zip("qkv", (q, k, v)):
+                into[rows] = lin(y, p + f"self_attn.{name}_proj").view(count, -1, d)
+            attn = torch.zeros(n, h, d, dtype=torch.float64)
+            if not candidates or (count == 1 and held[layer] is not None and held[layer][0] == evicted // block):
+                # nothing to choose from, or one token among the same blocks: what was chosen then
+                attend(a, count, held[layer][1] if candidates else [])
+            else:
 
-            def block_logit(j, head, query):
-                keys = k[j * block : (j + 1) * block, head // group]
-                top = keys.norm(dim=-1).topk(max(1, block // 4)).indices
-                return float((keys[top] @ q[query, head]).max()) / math.sqrt(d)
+                def block_logit(j, head, query):
+                    keys = k[j * block : (j + 1) * block, head // group]
+                    top = keys.norm(dim=-1).topk(max(1, block // 4)).indices
+                    return float((keys[top] @ q[query, head]).max()) / math.sqrt(d)
 
-            for query in range(last, a - 1, -math.ceil(count / block)):
-                for head in range(h):  # each query and head's softmax over the candidates, summed
-                    logits = {j: block_logit(j, head, query) for j in candidates}
-                    top = max(logits.values(), default=0.0)
-                    total = sum(math.exp(value - top) for value in logits.values())
-                    for j in candidates:
-                        summed[j] = summed.get(j, 0.0) + (math.exp(logits[j] - top) / total) ** 2
-            score = {j: summed[j] for j in candidates}
-            ranked = sorted(((s, j) for j, s in score.items()), reverse=True)  # of equal sums, the later
-            if margins is not None and len(ranked) > slots:
-                boundary = max(slots // 3, 1)
-                margins.append(ranked[boundary - 1][0] - ranked[boundary][0])
-            chosen = set()
-            for _, j in ranked[: slots // 3]:
-                chosen.update(m for m in (j - 1, j, j + 1) if m in score)
-            for _, j in ranked:
-                if len(chosen) < min(slots, len(ranked)):
-                    chosen.add(j)
-            memory = []  # (stream index, place in the memory's slots)
-            for rank, j in enumerate(sorted(chosen)):
-                slot = slots - len(chosen) + rank
-                memory += [(j * block + t, slot * block + t) for t in range(block)]
-            held = (evicted // block, memory)
-            attend(a, count, memory)
-        x = x + lin(attn.reshape(n, h * d), p + "self_attn.o_proj")
-        y = ln(x, p + "final_layer_norm")
-        if config.mlp_type == "gated":
-            y = act(lin(y, p + "mlp.gate_proj")) * lin(y, p + "mlp.up_proj")
-        else:
-            y = act(lin(y, p + "mlp.fc1"))
-        x = x + lin(y, p + ("mlp.down_proj" if config.mlp_type == "gated" else "mlp.fc2"))
+                for query in range(last, a - 1, -math.ceil(count / block)):
+                    for head in range(h):  # each query and head's softmax over the candidates, summed
+                        logits = {j: block_logit(j, head, query) for j in candidates}
+                        top = max(logits.values())
+                        total = sum(math.exp(value - top) for value in logits.values())
+                        for j in candidates:
+                            summed[j] += (math.exp(logits[j] - top) / total) ** 2
+                scored += 1
+                ranked = sorted(((s, j) for j, s in summed.items()), reverse=True)  # of equal sums, the later
+                if margins is not None and len(ranked) > slots:
+                    boundary = max(slots // 3, 1)
+                    margins.append(ranked[boundary - 1][0] - ranked[boundary][0])
+                chosen = set()
+                for _, j in ranked[: slots // 3]:
+                    chosen.update(m for m in (j - 1, j, j + 1) if m in summed)
+                for _, j in ranked:
+                    if len(chosen) < min(slots, len(ranked)):
+                        chosen.add(j)
+                memory = []  # (stream index, place in the memory's slots)
+                for rank, j in enumerate(sorted(chosen)):
+                    slot = slots - len(chosen) + rank
+                    memory += [(j * block + t, slot * block + t) for t in range(block)]
+                held[layer] = (evicted // block, memory)
+                attend(a, count, memory)
+            x[rows] = x[rows] + lin(attn[rows].reshape(count, h * d), p + "self_attn.o_proj")
+            y = ln(x[rows], p + "final_layer_norm")
+            if config.mlp_type == "gated":
+                y = act(lin(y, p + "mlp.gate_proj")) * lin(y, p + "mlp.up_proj")
+            else:
+                y = act(lin(y, p + "mlp.fc1"))
+            x[rows] = x[rows] + lin(y, p + ("mlp.down_proj" if config.mlp_type == "gated" else "mlp.fc2"))
+        if scored:
+            carried = {j: (summed[j] - carried.get(j, 0.0)) / scored for j in candidates}
     x = ln(x, "model.norm")
     head = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
     return x @ head.T

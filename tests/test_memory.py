@@ -37,12 +37,15 @@ def distinct_prompt(length: int, seed: int) -> torch.Tensor:
 
 
 def as_read(calls: list[int]) -> list[int]:
-    """The forwards the model runs for calls of these token counts with a block memory: w tokens at a time, the
-    last token of each call alone (LexForCausalLM._prefill_in_blocks)."""
+    """The forwards the model runs for calls of these token counts with a block memory
+    (LexForCausalLM._prefill_in_blocks): of a call of n > 1 tokens, w at a time up to max(w, n - 1 - w), the rest
+    but the last token in forwards of b, then the last token alone."""
     forwards = []
     for count in calls:
         if count > 1:
-            forwards += [min(W, count - 1 - start) for start in range(0, count - 1, W)]
+            pieces_from = min(max(W, count - 1 - W), count - 1)
+            forwards += [min(W, pieces_from - start) for start in range(0, pieces_from, W)]
+            forwards += [min(BLOCK, count - 1 - start) for start in range(pieces_from, count - 1, BLOCK)]
         forwards.append(1)
     return forwards
 
@@ -152,15 +155,16 @@ def test_blocks_of_equal_scores():
 
 @pytest.mark.parametrize("sinks", [0, 4])
 def test_long_forward_reads_through_the_memory(sinks):
-    """A forward longer than w without a cache reads w tokens at a time through a LexCache with the memory, which
-    it returns (use_cache), or not."""
+    """A forward longer than w without a cache reads as a cached call does (w tokens at a time, the last w in
+    pieces of b) through a LexCache with the memory, which it returns (use_cache), or not."""
     config = memory_config(position_embedding_type="rope", attention_mode="sliding", attention_sinks=sinks)
     model = perturbed_model(config)
     ids = prompt(1, 3 * W + 5, seed=2)
     with torch.no_grad():
         out = model(ids)
         plain = model(ids, use_cache=False)
-    assert_reference(model, ids, [W, W, W, 4, 1], out.logits[0])
+    assert as_read([3 * W + 5]) == [W, W, 4] + [BLOCK] * 3 + [1, 1]
+    assert_reference(model, ids, as_read([3 * W + 5]), out.logits[0])
     assert isinstance(getattr(out, CACHE_NAME), LexCache) and getattr(out, CACHE_NAME).memory_bytes > 0
     assert getattr(plain, CACHE_NAME) is None
     torch.testing.assert_close(plain.logits, out.logits)
@@ -174,14 +178,14 @@ def test_base_model_refuses_a_long_input():
 
 @pytest.mark.parametrize("method", ["rope", "xpos"])
 def test_greedy_generate_matches_the_reference(method):
-    """generate(): the prompt in chunks of w and its last token alone, then one token a forward; each new token is
-    the reference's argmax."""
+    """generate(): the prompt as the model's long forward reads it (chunks of w, the last w in pieces of b, the last
+    token alone), then one token a forward; each new token is the reference's argmax."""
     config = memory_config(position_embedding_type=method, attention_mode="blockwise", attention_sinks=4)
     model = perturbed_model(config, seed=3)
     ids = prompt(1, 2 * W + 9, seed=3)
     out = greedy(model, ids, max_new_tokens=12)
     tokens = out.sequences
-    forwards = [W, W, 8, 1] + [1] * 11
+    forwards = as_read([ids.shape[1]]) + [1] * 11
     expected = reference.memory_forward(model.state_dict(), config, tokens[0, :-1], forwards)
     generated = torch.stack(out.logits, dim=1)[0]
     torch.testing.assert_close(generated.double(), expected[ids.shape[1] - 1 :], atol=2e-5, rtol=0)
@@ -226,7 +230,8 @@ def test_sampling_beams_and_a_returned_cache():
 
 def test_reordered_rows_keep_their_chosen_blocks(monkeypatch):
     """A decoding step between two block completions reads the blocks chosen before it; after a beam reorder (rows
-    swapped) each row reads those its own prompt chose: the swapped cache's step gives the swapped logits."""
+    swapped) each row reads those its own prompt chose, and the step that chooses when the next block completes
+    starts from its own row's carried evidence: the swapped cache's steps give the swapped logits."""
     import copy
 
     config = memory_config(position_embedding_type="rope", attention_mode="sliding", attention_sinks=4)
@@ -245,6 +250,15 @@ def test_reordered_rows_keep_their_chosen_blocks(monkeypatch):
         expected = model(step, cache=cache).logits[[1, 0]]
         assert not scored  # no block completed since: the step read the blocks chosen before it
         torch.testing.assert_close(model(step[[1, 0]], cache=swapped).logits, expected, atol=1e-6, rtol=0)
+        monkeypatch.undo()
+        carried = cache.stream.memory_evidence
+        assert not torch.equal(*carried)  # the rows carry different evidence, and each its own after the reorder
+        assert torch.equal(swapped.stream.memory_evidence, carried[[1, 0]])
+        among = cache.layers[0].memory.chosen_among
+        for _ in range(BLOCK):  # sliding: a block completes within b steps, and that step chooses
+            expected = model(step, cache=cache).logits[[1, 0]]
+            torch.testing.assert_close(model(step[[1, 0]], cache=swapped).logits, expected, atol=1e-6, rtol=0)
+        assert cache.layers[0].memory.chosen_among > among  # a step chose
 
 
 def test_a_forward_that_raises_leaves_the_choice_as_it_was():
