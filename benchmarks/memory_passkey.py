@@ -35,6 +35,8 @@ from lex.passkey import FILLER, QUESTION
 from modeling_lex import LexCache
 
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "shakespeare"
+DRAWN_FOR = 131072  # the natural filler's places are drawn for this length at least: a run of fewer or shorter
+# lengths reads the same keys in the same places as the default grid
 
 
 def natural_text(folder: Path) -> str:
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     for form in args.forms.split(","):
         for depth in map(float, args.depths.split(",")):
             cells[form, depth] = [(str(rng.randint(10000, 99999)),
-                                   rng.randrange(len(natural) - max(lengths + [args.full_length])))
+                                   rng.randrange(len(natural) - max(lengths + [args.full_length, DRAWN_FOR])))
                                   for _ in range(args.keys)]
     repeated = tokenizer(FILLER, add_special_tokens=False).input_ids
     readings = [(name, length) for name in args.readings.split(",")

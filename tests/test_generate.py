@@ -556,9 +556,9 @@ def test_cli_continues_a_llama_folder_through_a_window_with_sinks(tmp_path, caps
 def test_cli_generates_with_a_block_memory_in_ram_and_on_disk(tmp_path, capsys):
     """`lex generate LLAMA --attention_mode sliding --attention_window 8 --attention_sinks 4
     --attention_memory_blocks 2 --attention_memory_block_size 4`: the prompt but its last token is read through a
-    LexCache 8 tokens a forward under a bar that shows the store's size, then generate() continues from that cache:
-    the continuation is what the converted model gives so; with --memory_directory the store is memory-mapped there
-    and the output is the same."""
+    LexCache under a bar that shows the store's size, then generate() continues from that cache: the continuation is
+    the converted model's generate() on the whole prompt (which reads it in the same forwards); with
+    --memory_directory the store is memory-mapped there and the output is the same."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from convert.hf import lex_from_hf
@@ -576,13 +576,12 @@ def test_cli_generates_with_a_block_memory_in_ram_and_on_disk(tmp_path, capsys):
     (tmp_path / "prompt.txt").write_text(text)
     ids = tokenizer(text, return_tensors="pt").input_ids
     model = lex_from_hf(source, "sliding", 8, 4, attention_memory_blocks=2, attention_memory_block_size=4).eval()
+    expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                              pad_token_id=0)
     cache = LexCache(model.config)
     with torch.no_grad():
-        for start in range(0, ids.shape[1] - 1, 8):
-            model.model(input_ids=ids[:, start : min(start + 8, ids.shape[1] - 1)], cache=cache, use_cache=True)
+        model(ids[:, :-1], cache=cache)  # the store the bar shows once the prompt but its last token is read
     assert cache.memory_bytes > 0
-    expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
-                              pad_token_id=0, **{CACHE_NAME: cache})
     flags = ["--max_new_tokens", "8", "--attention_mode", "sliding", "--attention_window", "8", "--attention_sinks",
              "4", "--attention_memory_blocks", "2", "--attention_memory_block_size", "4"]
     command = ["generate", str(tmp_path / "llama"), "--prompt_file", str(tmp_path / "prompt.txt"), *flags]

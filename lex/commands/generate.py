@@ -9,8 +9,9 @@ LEX model by --attention_mode / --attention_window / --attention_sinks (/ --atte
 
 With a block memory past the window (--attention_memory_blocks K > 0, blocks of --attention_memory_block_size
 tokens; blockwise and sliding modes), the evicted keys and values are kept and the K best blocks are read by
-every prompt chunk and decoded token: the prompt is read w tokens at a time, the bar showing the store's size,
-which grows with the prompt (in RAM, or memory-mapped in --memory_directory).
+every prompt chunk and decoded token: the prompt is read as the model's long forward reads it (w tokens at a
+time, the last w in forwards of b, the last token alone), the bar showing the store's size, which grows with the
+prompt (in RAM, or memory-mapped in --memory_directory).
 """
 
 import argparse
@@ -121,13 +122,12 @@ def prompt_progress(model, length: int, enabled: bool) -> Iterator[None]:
 @torch.no_grad()
 def read_into_memory(model, input_ids: torch.Tensor, memory_directory: Path | None, enabled: bool) -> LexCache:
     """A LexCache (its block memory in RAM, or memory-mapped in `memory_directory`) that has read all but the last
-    token of `input_ids`, w tokens a forward, under a bar whose postfix is the store's size."""
-    config = model.config
-    cache = LexCache(config, None if memory_directory is None else str(memory_directory))
-    length, window = input_ids.shape[1] - 1, config.attention_window
-    with tqdm(total=length, desc="prompt", unit="tok", disable=not enabled, file=sys.stderr) as bar:
-        for start in range(0, length, window):
-            stop = min(start + window, length)
+    token of `input_ids` in the forwards the model's own long forward runs (`reading_spans`), under a bar whose
+    postfix is the store's size."""
+    cache = LexCache(model.config, None if memory_directory is None else str(memory_directory))
+    spans = model.reading_spans(input_ids.shape[1])[:-1]  # (the last: the last token alone, which generate() reads)
+    with tqdm(total=input_ids.shape[1] - 1, desc="prompt", unit="tok", disable=not enabled, file=sys.stderr) as bar:
+        for start, stop in spans:
             model.model(input_ids=input_ids[:, start:stop], cache=cache, use_cache=True)
             bar.set_postfix_str(f"memory {cache.memory_bytes / 1e6:.1f} MB", refresh=False)
             bar.update(stop - start)
