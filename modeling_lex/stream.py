@@ -14,8 +14,9 @@ reads through a `Stream` made for that forward.
 
 A `Stream` holds, per key of the window part (oldest first, consecutive stream indices), its position id,
 whether it is a real token, and the stream's state after it, so that `roll_back` returns exactly to any earlier
-point it still holds (assisted decoding, the rollback section); and per row its sink slots' metadata, the first
-S tokens of the row's current document, kept after the window has moved past them.
+point it still holds (assisted decoding, the rollback section); per row its sink slots' metadata, the first
+S tokens of the row's current document, kept after the window has moved past them; and with a block memory, per
+row, whether each evicted token is real and what the last forward that chose blocks found (memory.py).
 """
 
 from collections.abc import Callable
