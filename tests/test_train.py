@@ -1,6 +1,7 @@
 """`lex train` on the HF Trainer: loss falls, folders load, every shipped launcher starts the processes it says and
 matches one process, FSDP2 leaves a full folder, resume is exact, corpora as users have them, errors are clean."""
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -11,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -116,19 +118,37 @@ def ten_steps(corpus: Path, trained: Path) -> list[str]:
 
 def launched(config: str, args: list[str]) -> str:
     """`lex` with `args` under accelerate launch with a shipped config (multi_node: two one-process "machines" on
-    127.0.0.1); the processes' output, once every one has exited with status 0."""
+    127.0.0.1, each with its own datasets cache as two machines have); the processes' output, once every one has
+    exited with status 0."""
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / f"{config}.yaml")]
-    if config == "multi_node":
-        port = str(free_port())
-        commands = [[*launch, "--machine_rank", str(rank), "--num_processes", "2", "--main_process_ip", "127.0.0.1",
-                     "--main_process_port", port, "--mixed_precision", "no", "-m", "lex.cli", *args]
-                    for rank in (0, 1)]
-    else:
-        commands = [[*launch, "-m", "lex.cli", *args]]
-    runs = [subprocess.Popen(command, env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for command in commands]
-    logs = [run.communicate(timeout=600)[0] for run in runs]
-    assert all(run.returncode == 0 for run in runs), logs[-1][-3000:]
+    with contextlib.ExitStack() as stack:
+        if config == "multi_node":
+            port = str(free_port())
+            commands = [[*launch, "--machine_rank", str(rank), "--num_processes", "2", "--main_process_ip",
+                         "127.0.0.1", "--main_process_port", port, "--mixed_precision", "no", "-m", "lex.cli", *args]
+                        for rank in (0, 1)]
+            # both machines' main processes prepare the data at once (main_process_first is per machine): on one
+            # shared cache they would race on its files
+            envs = [{**ENV, "HF_DATASETS_CACHE": stack.enter_context(tempfile.TemporaryDirectory())} for _ in (0, 1)]
+        else:
+            commands, envs = [[*launch, "-m", "lex.cli", *args]], [ENV]
+        # files, not pipes: a log is whole even when another process hangs, and no unread pipe blocks its writer
+        outputs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in commands]
+        runs = [subprocess.Popen(command, env=env, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT, text=True)
+                for command, env, output in zip(commands, envs, outputs)]
+        try:
+            for run in runs:
+                run.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            for run in runs:
+                run.kill()
+        logs = []
+        for output in outputs:
+            output.seek(0)
+            logs.append(output.read())
+    assert all(run.returncode == 0 for run in runs), [log[-3000:] for log in logs]
     return "\n".join(logs)
 
 
