@@ -286,6 +286,13 @@ class LexCache(DynamicCache):
         """Bytes the block memory holds, over all layers (0 without one)."""
         return sum(layer.memory.nbytes() for layer in self.layers if layer.memory is not None)
 
+    def reserve_memory(self, tokens: int) -> None:
+        """The stream will have seen `tokens` tokens: the block memory's stores make room for them at once (no
+        effect without a block memory)."""
+        for layer in self.layers:
+            if layer.memory is not None:
+                layer.memory.reserve(tokens)
+
     def _refuse_with_memory(self, what: str) -> None:
         if memory_tokens(self.config):
             raise ValueError(

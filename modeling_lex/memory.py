@@ -162,6 +162,7 @@ class BlockMemory:
         self.block, self.slots, self.directory = block, slots, directory
         self.keys = self.values = self.representatives = None
         self.length = 0  # tokens held (E)
+        self.reserved = 0  # tokens the store makes room for at its next growth (`reserve`)
         self.chosen: torch.Tensor | None = None  # (B, k): the blocks the last choosing forward read
         self.chosen_among = 0  # complete blocks there were then
         self.recalled: tuple[torch.Tensor, torch.Tensor] | None = None  # their keys and values, read then
@@ -182,6 +183,12 @@ class BlockMemory:
             return self.length * per_token
         return self.length * per_token + self.blocks * self.representatives[:, :, :1].nbytes
 
+    def reserve(self, tokens: int) -> None:
+        """Make room for `tokens` held tokens at the next growth, not by doublings: a prompt read in many forwards
+        copied its store at each doubling (3 s of a 32k prompt's prefill on 2 CPU cores, and the old buffer beside
+        the new one while it copied). Pages not yet written take no memory."""
+        self.reserved = max(self.reserved, tokens)
+
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Hold evicted keys and values (B, H, n, d), the next n tokens of the stream; representatives of the
         blocks they complete."""
@@ -190,15 +197,18 @@ class BlockMemory:
             return
         complete = self.blocks
         stop = self.length + count
-        self.keys = _grown(self.keys, keys, self.length, stop, 2, self.directory, self.block)
-        self.values = _grown(self.values, values, self.length, stop, 2, self.directory, self.block)
+        room = max(stop, self.reserved)
+        if self.keys is None or self.keys.shape[2] < stop:
+            self.keys = _grown(self.keys, keys, self.length, room, 2, self.directory, self.block)
+            self.values = _grown(self.values, values, self.length, room, 2, self.directory, self.block)
         self.keys[:, :, self.length : stop] = keys.detach()
         self.values[:, :, self.length : stop] = values.detach()
         self.length = stop
         if self.blocks > complete:
             shape = (*keys.shape[:2], 1, representative_count(self.block), keys.shape[3])
-            self.representatives = _grown(self.representatives, keys.new_empty(shape), complete, self.blocks, 2,
-                                          None)
+            if self.representatives is None or self.representatives.shape[2] < self.blocks:
+                self.representatives = _grown(self.representatives, keys.new_empty(shape), complete,
+                                              max(self.blocks, self.reserved // self.block), 2, None)
             span = self.keys[:, :, complete * self.block : self.blocks * self.block]
             self.representatives[:, :, complete : self.blocks] = block_representatives(span, self.block)
 

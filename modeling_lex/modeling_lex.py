@@ -421,6 +421,8 @@ class LexForCausalLM(LexPreTrainedModel, LexGenerationMixin, GenerationMixin):
         if attention_mask is not None:  # the cache holds the past's padding flags: the new tokens' columns suffice
             attention_mask = attention_mask[:, attention_mask.shape[1] - length :]
         keep_from = length - logits_to_keep if isinstance(logits_to_keep, int) and logits_to_keep > 0 else 0
+        if isinstance(cache, LexCache):
+            cache.reserve_memory(cache.seen + length)
         kept = []
         for start, stop in self.reading_spans(length):
             out = self.model(

@@ -304,6 +304,29 @@ def test_memory_mapped_store(tmp_path):
     assert on_disk.memory_bytes == config.num_hidden_layers * (evicted * per_token + representatives)
 
 
+def test_a_long_prompt_allocates_each_store_once(monkeypatch):
+    """A prompt read in one call (here 600 tokens, 36 forwards of w before its pieces) sizes each layer's keys,
+    values and representatives once for what it will evict (`LexCache.reserve_memory`), not by doublings that
+    copy the store; a later call grows it as before."""
+    config = memory_config(position_embedding_type="rope", attention_mode="sliding", attention_sinks=4)
+    model = perturbed_model(config, seed=5)
+    allocated = []
+    real = memory._allocate
+    monkeypatch.setattr(memory, "_allocate", lambda like, shape, directory: allocated.append(shape) or
+                        real(like, shape, directory))
+    cache = LexCache(config)
+    with torch.no_grad():
+        model(prompt(1, 600, seed=5), cache=cache)
+    evicted = cache.seen - cache.held
+    assert evicted > 512  # past two doublings from the first 256
+    assert len(allocated) == 3 * config.num_hidden_layers
+    layer = cache.layers[0].memory
+    assert layer.length == evicted and 600 <= layer.keys.shape[2] < 600 + BLOCK
+    with torch.no_grad():
+        model(prompt(1, 700, seed=6), cache=cache)
+    assert len(allocated) == 6 * config.num_hidden_layers
+
+
 def test_store_size_before_its_first_complete_block():
     """`memory_bytes` counts the evicted tokens' keys and values while no block is complete (no representatives
     yet): what `lex generate`'s progress bar shows after its first forwards."""
