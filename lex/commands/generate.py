@@ -125,6 +125,7 @@ def read_into_memory(model, input_ids: torch.Tensor, memory_directory: Path | No
     token of `input_ids` in the forwards the model's own long forward runs (`reading_spans`), under a bar whose
     postfix is the store's size."""
     cache = LexCache(model.config, None if memory_directory is None else str(memory_directory))
+    cache.reserve_memory(input_ids.shape[1])  # (the store sized once, not by doublings)
     spans = model.reading_spans(input_ids.shape[1])[:-1]  # (the last: the last token alone, which generate() reads)
     with tqdm(total=input_ids.shape[1] - 1, desc="prompt", unit="tok", disable=not enabled, file=sys.stderr) as bar:
         for start, stop in spans:
