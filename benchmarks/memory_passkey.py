@@ -15,7 +15,7 @@ inside the training length), reads the same keys as the windowed models. Each ro
 keys and depth.
 
     python benchmarks/memory_passkey.py [--lengths 8192,32768,131072] [--depths 0.1,0.5,0.9] [--keys 3]
-        [--forms repeated,natural] [--memory_blocks 16] [--memory_block_size 64] [--device cuda]
+        [--forms repeated,natural] [--cells natural:0.5,natural:0.9] [--memory_blocks 16] [--memory_block_size 64] [--device cuda]
         [--output memory_passkey.json]
 """
 
@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depths", default="0.1,0.5,0.9")
     parser.add_argument("--keys", type=int, default=3)
     parser.add_argument("--forms", default="repeated,natural")
+    parser.add_argument("--cells", default=None, help="read only these form:depth cells (natural:0.5,natural:0.9); "
+                        "the keys are drawn for every cell of --forms and --depths, so a subset reads the same keys")
     parser.add_argument("--filler_text", type=Path, default=SHAKESPEARE, help="a text file or a folder of them")
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--sinks", type=int, default=4)
@@ -106,6 +108,12 @@ def main(argv: list[str] | None = None) -> int:
             cells[form, depth] = [(str(rng.randint(10000, 99999)),
                                    rng.randrange(len(natural) - max(lengths + [args.full_length, DRAWN_FOR])))
                                   for _ in range(args.keys)]
+    if args.cells:
+        wanted = {(form, float(depth)) for form, depth in (cell.split(":") for cell in args.cells.split(","))}
+        if not wanted <= cells.keys():
+            raise SystemExit(f"--cells {args.cells}: each must be form:depth among --forms {args.forms} and "
+                             f"--depths {args.depths}")
+        cells = {cell: keys for cell, keys in cells.items() if cell in wanted}
     repeated = tokenizer(FILLER, add_special_tokens=False).input_ids
     readings = [(name, length) for name in args.readings.split(",")
                 for length in ([args.full_length] if name == "full" else lengths)]
