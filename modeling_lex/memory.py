@@ -84,14 +84,17 @@ def _allocate(like: torch.Tensor, shape: tuple[int, ...], directory: str | None)
     return torch.tensor([], dtype=like.dtype).set_(storage).view(shape)
 
 
+FIRST_TOKENS = 256  # what a store that grows without a reservation (while decoding) first makes room for
+
+
 def _grown(buffer: torch.Tensor | None, like: torch.Tensor, used: int, needed: int, dim: int,
-           directory: str | None, unit: int = 1) -> torch.Tensor:
-    """`buffer` with room for `needed` entries along `dim` (doubling: amortised O(1) copies per entry), a multiple
-    of `unit`."""
+           directory: str | None, least: int, unit: int = 1) -> torch.Tensor:
+    """`buffer` with room for `needed` entries along `dim` (doubling: amortised O(1) copies per entry), at least
+    `least`, a multiple of `unit`."""
     if buffer is not None and buffer.shape[dim] >= needed:
         return buffer
     shape = list(like.shape)
-    room = max(needed, 2 * (0 if buffer is None else buffer.shape[dim]), 256 if dim == 2 else 16)
+    room = max(needed, 2 * (0 if buffer is None else buffer.shape[dim]), least)
     shape[dim] = -(-room // unit) * unit
     grown = _allocate(like, tuple(shape), directory)
     if used:
@@ -201,8 +204,8 @@ class BlockMemory:
         stop = self.length + count
         room = max(stop, self.reserved)
         if self.keys is None or self.keys.shape[2] < stop:
-            self.keys = _grown(self.keys, keys, self.length, room, 2, self.directory, self.block)
-            self.values = _grown(self.values, values, self.length, room, 2, self.directory, self.block)
+            self.keys = _grown(self.keys, keys, self.length, room, 2, self.directory, FIRST_TOKENS, self.block)
+            self.values = _grown(self.values, values, self.length, room, 2, self.directory, FIRST_TOKENS, self.block)
         self.keys[:, :, self.length : stop] = keys.detach()
         self.values[:, :, self.length : stop] = values.detach()
         self.length = stop
@@ -210,7 +213,8 @@ class BlockMemory:
             shape = (*keys.shape[:2], representative_count(self.block), 1, keys.shape[3])
             if self.representatives is None or self.representatives.shape[3] < self.blocks:
                 self.representatives = _grown(self.representatives, keys.new_empty(shape), complete,
-                                              max(self.blocks, self.reserved // self.block), 3, None)
+                                              max(self.blocks, self.reserved // self.block), 3, None,
+                                              FIRST_TOKENS // self.block)
             span = self.keys[:, :, complete * self.block : self.blocks * self.block]
             self.representatives[:, :, :, complete : self.blocks] = block_representatives(span, self.block)
 
