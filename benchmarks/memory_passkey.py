@@ -9,13 +9,17 @@ the landmark-attention sentences repeated (`repeated`) or natural text (`natural
 42 works of ../shared/data/shakespeare, each key's filler from its own random place), the harder form. A key is
 recalled when the reply holds it. A key and its place in the natural filler are drawn once per form, depth and key
 number and read at every length, so full attention as published, which reads only --full_length (default 4,096,
-inside the training length), reads the same keys as the windowed models. Each row prints as it is measured
+inside the training length), reads the same keys as the windowed models. The reading `near` is full attention as
+published at --full_length on each long prompt cut to what a windowed reading of it needs: the instruction, the
+filler just before the key, the key, the prompt's last filler (what the window holds when the question is read)
+and the question; whether the checkpoint answers from that text at all. Each row prints as it is measured
 (reading, form, length, depth, recalled of --keys, the seconds the cell took) and --output is rewritten after each
 (a run stopped by a time limit keeps its rows); at the end, each windowed cell against full attention's on the same
 keys and depth.
 
     python benchmarks/memory_passkey.py [--lengths 8192,32768,131072] [--depths 0.1,0.5,0.9] [--keys 3]
-        [--forms repeated,natural] [--cells natural:0.5,natural:0.9] [--memory_blocks 16] [--memory_block_size 64] [--device cuda]
+        [--forms repeated,natural] [--cells natural:0.5,natural:0.9] [--readings full,window,memory,near]
+        [--memory_blocks 16] [--memory_block_size 64] [--device cuda]
         [--output memory_passkey.json]
 """
 
@@ -47,8 +51,9 @@ INSTRUCTION = ("There is an important info hidden inside a lot of irrelevant tex
                "quiz you about the important information there.")
 
 
-def prompt_ids(tokenizer, length: int, depth: float, key: str, filler: list[int]) -> torch.Tensor:
-    """Landmark attention's passkey prompt of about `length` tokens, with the key at `depth` of its filler."""
+def prompt_parts(tokenizer, length: int, depth: float, key: str, filler: list[int]) -> tuple[list[int], ...]:
+    """Landmark attention's passkey prompt of about `length` tokens, with the key at `depth` of its filler, in
+    parts: the instruction, the filler before the needle, the needle, the filler after it, the question."""
     needle = tokenizer(f" The pass key is {key}. Remember it. {key} is the pass key. ", add_special_tokens=False
                        ).input_ids
     head = tokenizer(INSTRUCTION, add_special_tokens=False).input_ids
@@ -56,7 +61,23 @@ def prompt_ids(tokenizer, length: int, depth: float, key: str, filler: list[int]
     body = length - len(head) - len(tail) - len(needle)
     text = filler[:body] if len(filler) >= body else filler * (body // len(filler))  # repeated: whole sentences
     before = int(len(text) * depth)
-    return torch.tensor(head + text[:before] + needle + text[before:] + tail)[None]
+    return head, text[:before], needle, text[before:], tail
+
+
+def prompt_ids(tokenizer, length: int, depth: float, key: str, filler: list[int]) -> torch.Tensor:
+    """The whole prompt of `prompt_parts`."""
+    return torch.tensor(sum(prompt_parts(tokenizer, length, depth, key, filler), []))[None]
+
+
+def near_prompt_ids(tokenizer, length: int, depth: float, key: str, filler: list[int], near: int) -> torch.Tensor:
+    """The prompt of `length` cut to `near` tokens with what a windowed reading of it needs: the instruction, the
+    filler just before the needle (`depth` of what the cut keeps), the needle, the prompt's last filler tokens (what
+    its window holds when the question is read) and the question. Full attention as published reads this inside its
+    training length: whether the checkpoint answers from the key's own surroundings and the document's own end."""
+    head, before, needle, after, tail = prompt_parts(tokenizer, length, depth, key, filler)
+    room = near - len(head) - len(needle) - len(tail)
+    kept = before[len(before) - min(len(before), int(room * depth)) :]
+    return torch.tensor(head + kept + needle + after[max(0, len(after) - (room - len(kept))) :] + tail)[None]
 
 
 @torch.no_grad()
@@ -83,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory_blocks", type=int, default=16)
     parser.add_argument("--memory_block_size", type=int, default=64)
     parser.add_argument("--full_length", type=int, default=4096, help="the one length full attention reads")
-    parser.add_argument("--readings", default="full,window,memory")
+    parser.add_argument("--readings", default="full,window,memory",
+                        help="of full, window, memory and near (full attention at --full_length on each prompt's "
+                        "key surroundings and end, at every length)")
     parser.add_argument("--memory_directory", default=None, help="keep the block memory memory-mapped there")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu")
@@ -96,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     memory = lex_from_hf(published, "sliding", args.window, args.sinks, "cache").eval()
     memory.config.attention_memory_blocks = args.memory_blocks
     memory.config.attention_memory_block_size = args.memory_block_size
-    models = {"full": published, "window": window, "memory": memory}
+    models = {"full": published, "window": window, "memory": memory, "near": published}
     source = args.filler_text
     text = natural_text(source) if source.is_dir() else source.read_text(encoding="utf-8")
     natural = tokenizer(text, add_special_tokens=False).input_ids
@@ -121,9 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'reading':>8}{'form':>10}{'length':>8}{'depth':>7}{'recalled':>10}{'seconds':>9}", flush=True)
     for name, length in sorted(readings, key=lambda reading: reading[1]):
         for (form, depth), keys in cells.items():
-            prompts = [(key, prompt_ids(tokenizer, length, depth, key,
-                                        natural[start : start + length] if form == "natural" else repeated))
+            fillers = [(key, natural[start : start + length] if form == "natural" else repeated)
                        for key, start in keys]
+            prompts = [(key, near_prompt_ids(tokenizer, length, depth, key, filler, args.full_length) if name == "near"
+                        else prompt_ids(tokenizer, length, depth, key, filler)) for key, filler in fillers]
             began = time.perf_counter()
             answers = [reply(models[name], ids, tokenizer, args.memory_directory) for _, ids in prompts]
             hits = sum(key in answer for (key, _), answer in zip(prompts, answers))
@@ -134,14 +158,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:>8}{form:>10}{length:>8}{depth:>7}{hits:>7} /{args.keys}{seconds:>9.1f}", flush=True)
             write_output(args, {"rows": rows, "peak_rss_mb": peak_rss_mb()})
     full = {(row["form"], row["depth"]): row["recalled"] for row in rows if row["reading"] == "full"}
-    if full:
-        print(f"\nagainst full attention at {args.full_length} on the same keys (recalled / full's)")
+    near = {(row["form"], row["length"], row["depth"]): row["recalled"] for row in rows if row["reading"] == "near"}
+    if full or near:
+        print(f"\nagainst full attention at {args.full_length} on the same keys (recalled / full's"
+              f"{' / near' if near else ''})")
         for row in rows:
-            if row["reading"] != "full" and (row["form"], row["depth"]) in full:
-                reference = full[row["form"], row["depth"]]
-                row["full_recalled"] = reference
-                print(f"{row['reading']:>8}{row['form']:>10}{row['length']:>8}{row['depth']:>7}"
-                      f"{row['recalled']:>5} / {reference}{'' if row['recalled'] >= reference else '  below'}")
+            if row["reading"] in ("window", "memory"):
+                reference = full.get((row["form"], row["depth"]))
+                local = near.get((row["form"], row["length"], row["depth"]))
+                row["full_recalled"], row["near_recalled"] = reference, local
+                print(f"{row['reading']:>8}{row['form']:>10}{row['length']:>8}{row['depth']:>7}{row['recalled']:>5}"
+                      f" / {reference if reference is not None else '-'}"
+                      f"{'' if local is None else f' / {local}'}"
+                      f"{'  below' if reference is not None and row['recalled'] < reference else ''}")
     print(f"peak RSS {peak_rss_mb():.0f} MB", flush=True)
     write_output(args, {"rows": rows, "peak_rss_mb": peak_rss_mb()})
     return 0
