@@ -19,7 +19,7 @@ keys and depth.
 
     python benchmarks/memory_passkey.py [--lengths 8192,32768,131072] [--depths 0.1,0.5,0.9] [--keys 3]
         [--forms repeated,natural] [--cells natural:0.5,natural:0.9] [--readings full,window,memory,near]
-        [--memory_blocks 16] [--memory_block_size 64] [--device cuda]
+        [--memory_blocks 64] [--memory_block_size 16] [--device cuda]
         [--output memory_passkey.json]
 """
 
@@ -101,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--filler_text", type=Path, default=SHAKESPEARE, help="a text file or a folder of them")
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--sinks", type=int, default=4)
-    parser.add_argument("--memory_blocks", type=int, default=16)
-    parser.add_argument("--memory_block_size", type=int, default=64)
+    parser.add_argument("--memory_blocks", type=int, default=64)
+    parser.add_argument("--memory_block_size", type=int, default=16)
     parser.add_argument("--full_length", type=int, default=4096, help="the one length full attention reads")
     parser.add_argument("--readings", default="full,window,memory",
                         help="of full, window, memory and near (full attention at --full_length on each prompt's "

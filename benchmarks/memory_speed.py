@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=None, help=argparse.SUPPRESS)  # one context, in this process
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--sinks", type=int, default=4)
-    parser.add_argument("--memory_blocks", type=int, default=16)
-    parser.add_argument("--memory_block_size", type=int, default=64)
+    parser.add_argument("--memory_blocks", type=int, default=64)
+    parser.add_argument("--memory_block_size", type=int, default=16)
     parser.add_argument("--new", type=int, default=129, help="tokens per spell (two blocks of steps and one)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prefill_repeats", type=int, default=1,

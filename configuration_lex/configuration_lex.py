@@ -93,12 +93,14 @@ class LexConfig(PreTrainedConfig):
         attention_memory_blocks: k, the blocks of keys the window has evicted that every query chunk and every
             decoded token also reads (a block memory past the window, in blockwise and sliding modes, through a
             LexCache): the keys and values that leave the window are kept in blocks of
-            `attention_memory_block_size` tokens; each forward ranks a layer's blocks by its last query's best
-            score against each block's representative keys (without positions) and reads the top k, placed just
-            before its window (and after the sinks, so a key is never farther than S + k * block + w). 0 (default):
-            no memory, exactly the model without it.
-        attention_memory_block_size: tokens per memory block (default 64, measured on SmolLM2-135M by
-            benchmarks/memory_retrieval_probe.py).
+            `attention_memory_block_size` tokens; each forward ranks a layer's blocks by what b of its queries
+            find against each block's representative keys (without positions; memory.py has the rule) and reads k
+            of them, placed just before its window (and after the sinks, so a key is never farther than
+            S + k * block + w). 0 (default): no memory, exactly the model without it. On SmolLM2-135M with
+            w = 1024: 64 blocks of 16 (benchmarks/RESULTS.md).
+        attention_memory_block_size: tokens per memory block (default 16: on SmolLM2-135M, 64 blocks of 16
+            recalled more keys hidden in natural text than 16 of 64, 32 of 32, 24 of 64 or 8 of 128,
+            benchmarks/RESULTS.md).
         xpos_scale_base: B in zeta^(n/B). xpos_gamma: gamma in zeta_i = (2i + gamma d) / ((1 + gamma) d).
         rope_parameters: the rotation frequencies of "xpos", "rope" and "decay" (transformers v5's field):
             `rope_theta` (default 10000; a `rope_theta=` keyword, as older configs saved it, lands here) and
@@ -171,7 +173,7 @@ class LexConfig(PreTrainedConfig):
     attention_sinks: int = non_negative(default=0)
     attention_sink_positions: SinkPositions = "true"
     attention_memory_blocks: int = non_negative(default=0)
-    attention_memory_block_size: int = positive(default=64)
+    attention_memory_block_size: int = positive(default=16)
     xpos_scale_base: float | int = positive(default=512.0)
     xpos_gamma: float | int = non_negative(default=0.4)
     rope_parameters: RopeParameters | dict | None = None  # {"rope_type": "default", "rope_theta": 10000.0} once set

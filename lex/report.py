@@ -19,7 +19,7 @@ GROUP_LABELS = {"model": "model", "attention_mode": "attention", "protocol": "pr
 def attention_label(row: dict) -> str:
     """How a row's attention reads in a table: its mode, with its sinks when it has any ("sliding + 4 sinks"),
     their position rule when the row names one ("sliding + 4 sinks (cache positions)"), and its block memory when
-    it has one ("sliding + 4 sinks (cache positions) + memory 16x64": 16 blocks of 64 tokens)."""
+    it has one ("sliding + 4 sinks (cache positions) + memory 64x16": 64 blocks of 16 tokens)."""
     mode, sinks = row.get("attention_mode", ""), row.get("attention_sinks", 0)
     rule = row.get("attention_sink_positions")
     label = f"{mode} + {sinks} sinks" + (f" ({rule} positions)" if rule else "") if sinks else mode

@@ -23,7 +23,7 @@ sinks, which every query of some layers attends to). A layer ranks the blocks
 by its scores plus those of the layers below it in the same forward (`MemoryRead.evidence`): what a few heads of a
 few layers find (the heads that copy a passage seen before) carries to the layers above; and the forward's evidence
 starts from what the last forward that chose found (its layers' scores over their number, one layer's worth:
-`MemoryRead.carried`), so that a question read b tokens at a time (`LexForCausalLM.reading_spans`) hands what its
+`MemoryRead.carried`), so that a question read in pieces (`LexForCausalLM.reading_spans`) hands what its
 words point to on to the token that answers (on SmolLM2-135M, benchmarks/RESULTS.md: of a key hidden in natural
 text at 90% of 32k tokens, the question read in pieces of 64 without this read the block in 21 of the last token's
 30 layers, and the key was missed; with it in 30 of 30, recalled; carried whole, not over the layers, what the

@@ -36,16 +36,26 @@ def distinct_prompt(length: int, seed: int) -> torch.Tensor:
     return torch.randperm(96, generator=torch.Generator().manual_seed(seed))[None, :length] + 1
 
 
-def as_read(calls: list[int]) -> list[int]:
-    """The forwards the model runs for calls of these token counts with a block memory
+def as_read(calls: list[int], block: int = BLOCK) -> list[int]:
+    """The forwards the model runs for calls of these token counts with a block memory of blocks of `block`
     (LexForCausalLM._prefill_in_blocks): of a call of n > 1 tokens, w at a time up to max(w, n - 1 - w), the rest
-    but the last token in forwards of b, then the last token alone."""
+    but the last token in pieces of p = max(b, w // 16) with its last p // 4 tokens cut off into a forward of their
+    own, then the last token alone."""
+    piece = max(block, W // 16)
+    tail = max(1, piece // 4)
     forwards = []
     for count in calls:
         if count > 1:
             pieces_from = min(max(W, count - 1 - W), count - 1)
             forwards += [min(W, pieces_from - start) for start in range(0, pieces_from, W)]
-            forwards += [min(BLOCK, count - 1 - start) for start in range(pieces_from, count - 1, BLOCK)]
+            pieces = [min(piece, count - 1 - start) for start in range(pieces_from, count - 1, piece)]
+            if sum(pieces) > tail:  # cut the last `tail` tokens off whichever pieces hold them
+                kept, cut = [], sum(pieces) - tail
+                for size in pieces:
+                    kept += [size] if size <= cut else [cut, size - cut] if cut > 0 else [size]
+                    cut -= size
+                pieces = kept
+            forwards += pieces
         forwards.append(1)
     return forwards
 
@@ -167,21 +177,38 @@ def test_blocks_of_equal_scores():
     torch.testing.assert_close(logits.double(), expected, atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("block", [BLOCK, 8])
 @pytest.mark.parametrize("sinks", [0, 4])
-def test_long_forward_reads_through_the_memory(sinks):
+def test_long_forward_reads_through_the_memory(sinks, block):
     """A forward longer than w without a cache reads as a cached call does (w tokens at a time, the last w in
-    pieces of b) through a LexCache with the memory, which it returns (use_cache), or not."""
-    config = memory_config(position_embedding_type="rope", attention_mode="sliding", attention_sinks=sinks)
+    pieces, the last tokens of those alone) through a LexCache with the memory, which it returns (use_cache), or
+    not."""
+    config = memory_config(position_embedding_type="rope", attention_mode="sliding", attention_sinks=sinks,
+                           attention_memory_block_size=block)
     model = perturbed_model(config)
-    ids = prompt(1, 3 * W + 5, seed=2)
+    chunks = {BLOCK: 2, 8: 4}[block]  # blocks of 8: enough evicted blocks for the retrieval to choose among
+    ids = prompt(1, (chunks + 1) * W + 5, seed=2)
     with torch.no_grad():
         out = model(ids)
         plain = model(ids, use_cache=False)
-    assert as_read([3 * W + 5]) == [W, W, 4] + [BLOCK] * 3 + [1, 1]
-    assert_reference(model, ids, as_read([3 * W + 5]), out.logits[0])
+    pieces = {BLOCK: [BLOCK] * 3 + [1], 8: [8, 6, 2]}[block]  # b = 8: its last 2 tokens alone
+    assert as_read([ids.shape[1]], block) == [W] * chunks + [4] + pieces + [1]
+    assert_reference(model, ids, as_read([ids.shape[1]], block), out.logits[0])
     assert isinstance(getattr(out, CACHE_NAME), LexCache) and getattr(out, CACHE_NAME).memory_bytes > 0
     assert getattr(plain, CACHE_NAME) is None
     torch.testing.assert_close(plain.logits, out.logits)
+
+
+@pytest.mark.parametrize("block", [16, 64, 128])
+def test_the_last_window_is_read_in_sixteen_pieces_or_blocks(block):
+    """With w = 1024 the last w tokens before the last are read in pieces of max(b, 64), the last quarter-piece of
+    them alone: 16 + 1 forwards for blocks of 16 or 64, 8 + 1 for blocks of 128."""
+    model = LexForCausalLM(memory_config(attention_window=1024, attention_memory_block_size=block,
+                                         attention_mode="sliding", attention_sinks=4))
+    widths = [stop - start for start, stop in model.reading_spans(5000)]
+    piece = max(block, 64)
+    assert widths[:4] == [1024, 1024, 1024, 5000 - 1 - 1024 - 3 * 1024]
+    assert widths[4:] == [piece] * (1024 // piece - 1) + [piece - piece // 4, piece // 4, 1]
 
 
 def test_base_model_refuses_a_long_input():

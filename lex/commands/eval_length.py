@@ -1,5 +1,5 @@
 """`lex eval-length MODEL... --files GLOB --lengths 256,512 --attention_modes full,blockwise --attention_sinks 0,4
-[--attention_sink_positions cache,true] [--attention_memory_blocks 0,16 [--attention_memory_block_size B]]
+[--attention_sink_positions cache,true] [--attention_memory_blocks 0,64 [--attention_memory_block_size B]]
 --output_dir DIR`
 
 Perplexity by evaluation length (lex.perplexity: the paper's "segments" protocol and a "strided" one) for LEX
@@ -51,11 +51,11 @@ def build_parser() -> LexArgumentParser:
                              "cache)")
     parser.add_argument("--attention_memory_blocks", type=non_negative_ints,
                         help="comma-separated numbers of block-memory blocks k for blockwise and sliding modes, e.g. "
-                             "0,16 (rows labelled attention_memory_blocks; full attention rows with 0 only); "
+                             "0,64 (rows labelled attention_memory_blocks; full attention rows with 0 only); "
                              "default: each model's own, unlabelled")
     parser.add_argument("--attention_memory_block_size", type=positive_int,
                         help="tokens per memory block of the readings with memory (default: each model's own; a "
-                             "converted checkpoint's: LexConfig's, 64)")
+                             "converted checkpoint's: LexConfig's, 16)")
     parser.add_argument("--attention_window", type=positive_int,
                         help="the window of blockwise and sliding modes (default: the model's; a converted "
                              "checkpoint's, its training length)")
