@@ -6,6 +6,8 @@ logits) for every forward split a user meets: token by token, prompt chunks of w
 real checkpoint's recall of a key hidden at 4·l is tested in test_real_checkpoint.py (slow).
 """
 
+from itertools import accumulate
+
 import pytest
 import torch
 from huggingface_hub.errors import StrictDataclassClassValidationError
@@ -48,14 +50,11 @@ def as_read(calls: list[int], block: int = BLOCK) -> list[int]:
         if count > 1:
             pieces_from = min(max(W, count - 1 - W), count - 1)
             forwards += [min(W, pieces_from - start) for start in range(0, pieces_from, W)]
-            pieces = [min(piece, count - 1 - start) for start in range(pieces_from, count - 1, piece)]
-            if sum(pieces) > tail:  # cut the last `tail` tokens off whichever pieces hold them
-                kept, cut = [], sum(pieces) - tail
-                for size in pieces:
-                    kept += [size] if size <= cut else [cut, size - cut] if cut > 0 else [size]
-                    cut -= size
-                pieces = kept
-            forwards += pieces
+            ends = set(accumulate(min(piece, count - 1 - start) for start in range(pieces_from, count - 1, piece)))
+            if ends and max(ends) > tail:  # the last `tail` tokens cut off whichever piece holds them
+                ends.add(max(ends) - tail)
+            ends = sorted(ends)
+            forwards += [stop - start for start, stop in zip([0] + ends[:-1], ends)]
         forwards.append(1)
     return forwards
 
