@@ -35,7 +35,7 @@ from .inputs import begin_forward
 from .kernels import eager_attention_forward, run_attention
 from .masking import AttentionPlan, build_plan
 from .positions import position_method
-from .visibility import memory_tokens
+from .visibility import memory_piece, memory_tokens
 from .xpos import sinusoidal_embedding
 
 logger = logging.get_logger(__name__)
@@ -173,8 +173,8 @@ class LexAttention(nn.Module):
         query, key = query.transpose(1, 2), key.transpose(1, 2)
         value = self.v_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
         cache_kwargs = plan.cache_kwargs
-        if cache_kwargs is not None and cache_kwargs.get("memory") is not None:  # b queries find the blocks
-            step = -(-length // self.config.attention_memory_block_size)  # every step-th, ending at the last
+        if cache_kwargs is not None and cache_kwargs.get("memory") is not None:  # p queries find the blocks
+            step = -(-length // memory_piece(self.config))  # every step-th, ending at the last
             retrieving = query[:, :, (length - 1) % step :: step]
             cache_kwargs = {**cache_kwargs, "memory_query": retrieving.detach() * self.scaling}
         query, key = plan.encode_tokens(query), plan.encode_tokens(key)
@@ -388,14 +388,14 @@ class LexForCausalLM(LexPreTrainedModel, LexGenerationMixin, GenerationMixin):
 
     def reading_spans(self, length: int) -> list[tuple[int, int]]:
         """The (start, stop) of each forward in which an input of `length` tokens is read through a LEX cache: w
-        tokens at a time; with a block memory, the w tokens before the last in pieces of p = max(b, w / 16) (b:
-        `attention_memory_block_size`; at most 16 forwards, whatever b), the last p / 4 of them in a forward of
-        their own, and the last token alone (see `_prefill_in_blocks`)."""
+        tokens at a time; with a block memory, the w tokens before the last in pieces of p = max(b, w / 16)
+        (`memory_piece`; at most 16 forwards, whatever b), the last p / 4 of them in a forward of their own, and the
+        last token alone (see `_prefill_in_blocks`)."""
         window = self.config.attention_window
         if not memory_tokens(self.config) or length == 1:
             stops = set(range(window, length, window)) | {length}
         else:
-            piece = max(self.config.attention_memory_block_size, window // 16)
+            piece = memory_piece(self.config)
             pieces_from = max(window, length - 1 - window)  # (a forward from token 0 to w evicts nothing first)
             stops = set(range(window, pieces_from, window)) | set(range(pieces_from, length - 1, piece))
             stops |= {length - 1, length}
@@ -412,7 +412,7 @@ class LexForCausalLM(LexPreTrainedModel, LexGenerationMixin, GenerationMixin):
 
         With a block memory, what the input ends with (a question about the document, as a rule) is read in pieces
         (`reading_spans`), its last p / 4 tokens alone and its last token alone. A forward of T tokens retrieves
-        once, for b of its queries spread over it (memory.py): in a forward of w, the few of them that fall on the
+        once, for p of its queries spread over it (memory.py): in a forward of w, the few of them that fall on the
         question choose among blocks by what the filler before it looks for, and its later queries have a gap of up
         to T - 1 keys between the memory (what the cache had evicted when the forward began) and their window. In
         pieces more of the question's queries choose, and each forward starts from what the one before it found

@@ -69,6 +69,14 @@ def memory_tokens(config) -> int:
     return 0 if config.attention_mode == "full" else config.attention_memory_blocks * config.attention_memory_block_size
 
 
+def memory_piece(config) -> int:
+    """p = max(b, w / 16) (b: `attention_memory_block_size`): how many of a forward's queries choose the blocks it
+    reads (spread over it), and the length of the pieces a prompt's last w tokens are read in, so that every query
+    of a piece chooses (benchmarks/RESULTS.md: with blocks of 16, 16 queries of a piece of 64 read a passage seen
+    32k tokens earlier at 1.12x full attention's NLL, all 64 at 1.09x)."""
+    return max(config.attention_memory_block_size, config.attention_window // 16)
+
+
 def memory_frame(config, q_index: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Where a query sees the block memory from: in a frame where its window starts at 0, the memory's k * b places
     just before it (-k * b ... -1) and the query at its offset in its window. Returns the query's place (the shape

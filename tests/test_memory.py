@@ -38,18 +38,18 @@ def distinct_prompt(length: int, seed: int) -> torch.Tensor:
     return torch.randperm(96, generator=torch.Generator().manual_seed(seed))[None, :length] + 1
 
 
-def as_read(calls: list[int], block: int = BLOCK) -> list[int]:
+def as_read(calls: list[int], block: int = BLOCK, window: int = W) -> list[int]:
     """The forwards the model runs for calls of these token counts with a block memory of blocks of `block`
     (LexForCausalLM._prefill_in_blocks): of a call of n > 1 tokens, w at a time up to max(w, n - 1 - w), the rest
     but the last token in pieces of p = max(b, w // 16) with its last p // 4 tokens cut off into a forward of their
     own, then the last token alone."""
-    piece = max(block, W // 16)
+    piece = max(block, window // 16)
     tail = max(1, piece // 4)
     forwards = []
     for count in calls:
         if count > 1:
-            pieces_from = min(max(W, count - 1 - W), count - 1)
-            forwards += [min(W, pieces_from - start) for start in range(0, pieces_from, W)]
+            pieces_from = min(max(window, count - 1 - window), count - 1)
+            forwards += [min(window, pieces_from - start) for start in range(0, pieces_from, window)]
             ends = set(accumulate(min(piece, count - 1 - start) for start in range(pieces_from, count - 1, piece)))
             if ends and max(ends) > tail:  # the last `tail` tokens cut off whichever piece holds them
                 ends.add(max(ends) - tail)
@@ -196,6 +196,27 @@ def test_long_forward_reads_through_the_memory(sinks, block):
     assert isinstance(getattr(out, CACHE_NAME), LexCache) and getattr(out, CACHE_NAME).memory_bytes > 0
     assert getattr(plain, CACHE_NAME) is None
     torch.testing.assert_close(plain.logits, out.logits)
+
+
+def test_a_window_of_more_than_sixteen_blocks_chooses_with_a_piece_of_queries(monkeypatch):
+    """w = 64, blocks of 2: p = max(b, w // 16) = 4 of each forward's queries choose (4 of a forward of w, every
+    query of a piece), not b; the blocks and logits are the reference's, which scores with the same p queries."""
+    window, block = 64, 2
+    config = memory_config(position_embedding_type="rope", attention_mode="sliding", attention_sinks=4,
+                           attention_window=window, attention_memory_block_size=block)
+    model = perturbed_model(config, seed=4)
+    ids = prompt(1, 4 * window + 9, seed=4)
+    choosing = []  # per forward and layer that chose: (its tokens, the queries that scored the blocks)
+    scores = memory.block_scores
+    monkeypatch.setattr(memory, "block_scores", lambda query, reps, candidates: choosing.append(query.shape[2]) or
+                        scores(query, reps, candidates))
+    with torch.no_grad():
+        logits = model(ids).logits[0]
+    forwards = as_read([ids.shape[1]], block, window)
+    assert forwards == [window] * 3 + [8] + [4] * 15 + [3, 1, 1]
+    assert choosing[:2] == [4, 4]  # the third forward of w (the first with blocks to choose from), both layers
+    assert max(choosing) == 4 and choosing.count(4) >= 2 * 15
+    assert_reference(model, ids, forwards, logits)
 
 
 @pytest.mark.parametrize("block", [16, 64, 128])
