@@ -92,12 +92,12 @@ class LexConfig(PreTrainedConfig):
             checkpoint gets).
         attention_memory_blocks: k, the blocks of keys the window has evicted that every query chunk and every
             decoded token also reads (a block memory past the window, in blockwise and sliding modes, through a
-            LexCache): the keys and values that leave the window are kept in blocks of
-            `attention_memory_block_size` tokens; each forward ranks a layer's blocks by what max(b, w / 16) of its
-            queries find against each block's representative keys (without positions; memory.py has the rule) and
-            reads k of them, placed just before its window (and after the sinks, so a key is never farther than
-            S + k * block + w). 0 (default): no memory, exactly the model without it. On SmolLM2-135M with
-            w = 1024: 64 blocks of 16 (benchmarks/RESULTS.md).
+            LexCache): the keys and values that leave the window are kept in blocks of `attention_memory_block_size`
+            tokens; each forward ranks a layer's blocks by what its queries find (all of a forward of at most
+            max(b, w / 16) tokens, else b) against each block's representative keys (without positions; memory.py
+            has the rule) and reads k of them, placed just before its window (and after the sinks, so a key is never
+            farther than S + k * block + w). 0 (default): no memory, exactly the model without it. On SmolLM2-135M
+            with w = 1024: 64 blocks of 16 (benchmarks/RESULTS.md).
         attention_memory_block_size: tokens per memory block (default 16: on SmolLM2-135M, 64 blocks of 16
             recalled more keys hidden in natural text than 16 of 64, 32 of 32, 24 of 64 or 8 of 128,
             benchmarks/RESULTS.md).

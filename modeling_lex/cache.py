@@ -73,7 +73,7 @@ class LexCacheLayer(DynamicLayer):
     Under autograd the buffers are never written in place.
 
     With a block memory (memory.py), the keys and values `commit` drops go there, and `update` returns the blocks
-    p of the forward's queries (`cache_kwargs["memory_query"]`, times the attention's scale) retrieve after the new
+    the forward's choosing queries (`cache_kwargs["memory_query"]`, times the attention's scale) retrieve after the new
     keys, as the record and the plan say (`cache_kwargs["memory"]`)."""
 
     def __init__(self, memory: BlockMemory | None = None) -> None:

@@ -10,9 +10,12 @@ benchmarks/memory_retrieval_probe.py: as good as the block's mean at finding a p
 natural filler; and benchmarks/RESULTS.md: with 4 of a block of 64, no key hidden in natural text at 40% of 4,096
 tokens was recalled, with 8 two of three, with 16 three of three).
 
-The retrieval rule (one forward, one layer): p = max(b, w / 16) of the forward's T queries q (`memory_piece`: every
-ceil(T / p)-th, ending at its last: the whole forward reads the blocks, so they choose together; a decoding step's
-one query, when a block has completed since the layer last chose, else the step reads the blocks chosen then; per
+The retrieval rule (one forward, one layer): every query q of a forward of T <= p = max(b, w / 16) tokens
+(`memory_piece`: a piece of a prompt's end), else b of them (every ceil(T / b)-th, ending at its last: the whole
+forward reads the blocks, so they choose together; on SmolLM2-135M with blocks of 16, 16 queries of each piece of
+64 read a passage of the Bible seen 32k tokens earlier at 1.12x and 1.29x full attention's NLL, all 64 at 1.09x and
+0.98x, benchmarks/RESULTS.md; all of a forward of w would have cost 5% of a prompt's prefill); a decoding step's one
+query, when a block has completed since the layer last chose, else the step reads the blocks chosen then; per
 head, before positions, times the attention's scale) score every candidate block j (`MemoryRead.candidates`:
 complete, every token real, after the sinks of the last query's document) as the sum over those queries and query
 heads h of the square of the share that their softmax over the candidates gives j, each block's logit being max over
@@ -219,7 +222,7 @@ class BlockMemory:
             self.representatives[:, :, :, complete : self.blocks] = block_representatives(span, self.block)
 
     def read(self, query: torch.Tensor, read: MemoryRead) -> tuple[torch.Tensor, torch.Tensor]:
-        """The k slots' keys and values (B, H, k*block, d) for p of the forward's queries (B, Hq, m, d), raw; the
+        """The k slots' keys and values (B, H, k*block, d) for the forward's choosing queries (B, Hq, m, d), raw; the
         empty slots (first) hold block 0, masked by the plan. This layer's scores join the forward's evidence (the
         layers below it), which chooses; a forward of one token among the same complete blocks as the last choice
         (a decoding step before the next block completes) reads the blocks chosen then, as they were read then

@@ -173,8 +173,10 @@ class LexAttention(nn.Module):
         query, key = query.transpose(1, 2), key.transpose(1, 2)
         value = self.v_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
         cache_kwargs = plan.cache_kwargs
-        if cache_kwargs is not None and cache_kwargs.get("memory") is not None:  # p queries find the blocks
-            step = -(-length // memory_piece(self.config))  # every step-th, ending at the last
+        if cache_kwargs is not None and cache_kwargs.get("memory") is not None:  # these queries find the blocks:
+            # all of a forward of at most p tokens, else b spread over it (every step-th, ending at the last)
+            chooser = length if length <= memory_piece(self.config) else self.config.attention_memory_block_size
+            step = -(-length // chooser)
             retrieving = query[:, :, (length - 1) % step :: step]
             cache_kwargs = {**cache_kwargs, "memory_query": retrieving.detach() * self.scaling}
         query, key = plan.encode_tokens(query), plan.encode_tokens(key)
@@ -412,14 +414,14 @@ class LexForCausalLM(LexPreTrainedModel, LexGenerationMixin, GenerationMixin):
 
         With a block memory, what the input ends with (a question about the document, as a rule) is read in pieces
         (`reading_spans`), its last p / 4 tokens alone and its last token alone. A forward of T tokens retrieves
-        once, for p of its queries spread over it (memory.py): in a forward of w, the few of them that fall on the
-        question choose among blocks by what the filler before it looks for, and its later queries have a gap of up
-        to T - 1 keys between the memory (what the cache had evicted when the forward began) and their window. In
-        pieces more of the question's queries choose, and each forward starts from what the one before it found
-        (`MemoryRead.carried`), so the token that predicts the next one reads the blocks the whole question points
-        to (benchmarks/RESULTS.md: keys hidden in natural text at 90% of 32k tokens, 3 of 3 recalled against 0 of 3
-        read w at a time); the last p / 4 tokens, read without the filler before them, hand on what the question's
-        own words find (natural text at 50% of 32k: 2 of 3 against 0 of 3 with blocks of 16).
+        once, for b of its queries spread over it (memory.py; a piece for all of them): in a forward of w, the few
+        of them that fall on the question choose among blocks by what the filler before it looks for, and its later
+        queries have a gap of up to T - 1 keys between the memory (what the cache had evicted when the forward
+        began) and their window. In pieces more of the question's queries choose, and each forward starts from what
+        the one before it found (`MemoryRead.carried`), so the token that predicts the next one reads the blocks the
+        whole question points to (benchmarks/RESULTS.md: keys hidden in natural text at 90% of 32k tokens, 3 of 3
+        recalled against 0 of 3 read w at a time); the last p / 4 tokens, read without the filler before them, hand
+        on what the question's own words find (natural text at 50% of 32k: 2 of 3 against 0 of 3 with blocks of 16).
 
         Only the hidden states that `logits_to_keep` asks for are kept (all of them when it is 0).
         """

@@ -70,10 +70,9 @@ def memory_tokens(config) -> int:
 
 
 def memory_piece(config) -> int:
-    """p = max(b, w / 16) (b: `attention_memory_block_size`): how many of a forward's queries choose the blocks it
-    reads (spread over it), and the length of the pieces a prompt's last w tokens are read in, so that every query
-    of a piece chooses (benchmarks/RESULTS.md: with blocks of 16, 16 queries of a piece of 64 read a passage seen
-    32k tokens earlier at 1.12x full attention's NLL, all 64 at 1.09x)."""
+    """p = max(b, w / 16) (b: `attention_memory_block_size`): the length of the pieces a prompt's last w tokens are
+    read in, and of the forwards every query of which chooses the blocks it reads (a longer forward chooses with b
+    of its queries; memory.py)."""
     return max(config.attention_memory_block_size, config.attention_window // 16)
 
 

@@ -303,19 +303,19 @@ def memory_forward(state, config, input_ids, forwards, margins=None):
 
     Before a forward that starts at token a, the cache has evicted tokens 0 ... E - 1 (sliding: E = a - w + 1;
     blockwise: the start of the block before a's). Its complete blocks after the S sinks are the candidates; each
-    layer scores them with p = max(b, w // 16) of the forward's queries q (every ceil(count / p)-th, ending at its
-    last; per head, before positions): the sum over queries and heads of the square of the block's share of that
-    query and head's softmax over the candidates of the best q . r / sqrt(d) over the block's b // 4 keys (at least
-    1) of largest norm r (per key/value head, before positions). A layer ranks the blocks by its score plus the
-    scores of the layers below it in the same forward plus what the last forward that chose found: the scores its
-    layers added, over the number of those layers (0 for a block that was no candidate then). The best k // 3 blocks
-    (of equal sums, the later), each with the candidates beside it, then the best of the rest up to k, in stream
-    order, fill the last slots of k (a forward of one token among as many complete blocks as at the layer's last
-    choice reads the blocks chosen then, and adds no score); slot s's token t is seen at distance (query - its
-    window's first token) + k*b - (s*b + t), sink j at (query - window's first) + k*b + S - j. Supports xpos, rope,
-    decay, alibi, none. `margins`: a list that receives, per forward and layer that chose among more than k blocks,
-    the gap between the (k // 3)-th best score (k < 3: the best) and the next (a float32 model may choose otherwise
-    where it is tiny)."""
+    layer scores them with all queries q of a forward of at most p = max(b, w // 16) tokens, else b of them (every
+    ceil(count / b)-th, ending at its last; per head, before positions): the sum over queries and heads of the
+    square of the block's share of that query and head's softmax over the candidates of the best q . r / sqrt(d)
+    over the block's b // 4 keys (at least 1) of largest norm r (per key/value head, before positions). A layer
+    ranks the blocks by its score plus the scores of the layers below it in the same forward plus what the last
+    forward that chose found: the scores its layers added, over the number of those layers (0 for a block that was
+    no candidate then). The best k // 3 blocks (of equal sums, the later), each with the candidates beside it, then
+    the best of the rest up to k, in stream order, fill the last slots of k (a forward of one token among as many
+    complete blocks as at the layer's last choice reads the blocks chosen then, and adds no score); slot s's token t
+    is seen at distance (query - its window's first token) + k*b - (s*b + t), sink j at (query - window's first) +
+    k*b + S - j. Supports xpos, rope, decay, alibi, none. `margins`: a list that receives, per forward and layer
+    that chose among more than k blocks, the gap between the (k // 3)-th best score (k < 3: the best) and the next
+    (a float32 model may choose otherwise where it is tiny)."""
     sd = {k: v.double() for k, v in state.items()}
     n = input_ids.shape[0]
     h, d = config.num_attention_heads, config.head_dim
@@ -398,7 +398,7 @@ def memory_forward(state, config, input_ids, forwards, margins=None):
                     top = keys.norm(dim=-1).topk(max(1, block // 4)).indices
                     return float((keys[top] @ q[query, head]).max()) / math.sqrt(d)
 
-                for query in range(last, a - 1, -math.ceil(count / max(block, w // 16))):
+                for query in range(last, a - 1, -1 if count <= max(block, w // 16) else -math.ceil(count / block)):
                     for head in range(h):  # each query and head's softmax over the candidates, summed
                         logits = {j: block_logit(j, head, query) for j in candidates}
                         top = max(logits.values())

@@ -198,9 +198,9 @@ def test_long_forward_reads_through_the_memory(sinks, block):
     torch.testing.assert_close(plain.logits, out.logits)
 
 
-def test_a_window_of_more_than_sixteen_blocks_chooses_with_a_piece_of_queries(monkeypatch):
-    """w = 64, blocks of 2: p = max(b, w // 16) = 4 of each forward's queries choose (4 of a forward of w, every
-    query of a piece), not b; the blocks and logits are the reference's, which scores with the same p queries."""
+def test_every_query_of_a_piece_chooses(monkeypatch):
+    """w = 64, blocks of 2: every query of a forward of at most p = max(b, w // 16) = 4 tokens (a piece of the
+    prompt's end) chooses, b = 2 of a longer one; the blocks and logits are the reference's."""
     window, block = 64, 2
     config = memory_config(position_embedding_type="rope", attention_mode="sliding", attention_sinks=4,
                            attention_window=window, attention_memory_block_size=block)
@@ -214,7 +214,7 @@ def test_a_window_of_more_than_sixteen_blocks_chooses_with_a_piece_of_queries(mo
         logits = model(ids).logits[0]
     forwards = as_read([ids.shape[1]], block, window)
     assert forwards == [window] * 3 + [8] + [4] * 15 + [3, 1, 1]
-    assert choosing[:2] == [4, 4]  # the third forward of w (the first with blocks to choose from), both layers
+    assert choosing[:2] == [2, 2]  # the third forward of w (the first with blocks to choose from), both layers
     assert max(choosing) == 4 and choosing.count(4) >= 2 * 15
     assert_reference(model, ids, forwards, logits)
 
