@@ -12,18 +12,18 @@ tokens was recalled, with 8 two of three, with 16 three of three).
 
 The retrieval rule (one forward, one layer): every query q of a forward of T <= p = max(b, w / 16) tokens
 (`memory_piece`: a piece of a prompt's end), else b of them (every ceil(T / b)-th, ending at its last: the whole
-forward reads the blocks, so they choose together; on SmolLM2-135M with blocks of 16, 16 queries of each piece of
-64 read a passage of the Bible seen 32k tokens earlier at 1.12x and 1.29x full attention's NLL, all 64 at 1.09x and
-0.98x, benchmarks/RESULTS.md; all of a forward of w would have cost 5% of a prompt's prefill); a decoding step's one
-query, when a block has completed since the layer last chose, else the step reads the blocks chosen then; per
-head, before positions, times the attention's scale) score every candidate block j (`MemoryRead.candidates`:
-complete, every token real, after the sinks of the last query's document) as the sum over those queries and query
-heads h of the square of the share that their softmax over the candidates gives j, each block's logit being max over
-its representatives r of q_h . r (each query head against its key/value head): the attention each head would pay the
-block, so that a head which looks for one block weighs as much as a head whose logits are large everywhere, and
-squared, so that one head that finds one block outweighs many that spread over the same few (the blocks after the
-sinks, which every query of some layers attends to). A layer ranks the blocks
-by its scores plus those of the layers below it in the same forward (`MemoryRead.evidence`): what a few heads of a
+forward reads the blocks, so they choose together; on SmolLM2-135M with blocks of 16, 16 queries of each piece of 64
+read two passages of the Bible seen 32k tokens earlier at 1.12x and 1.29x full attention's NLL, all 64 at 1.08x and
+1.02x; 64 queries of every forward of w as well, 0.69 of the window's prefill speed at 32k tokens against 0.75,
+benchmarks/RESULTS.md); a decoding step's one query, when a block has completed since the layer last chose, else the
+step reads the blocks chosen then; per head, before positions, times the attention's scale) score every candidate
+block j (`MemoryRead.candidates`: complete, every token real, after the sinks of the last query's document) as the
+sum over those queries and query heads h of the square of the share that their softmax over the candidates gives j,
+each block's logit being max over its representatives r of q_h . r (each query head against its key/value head): the
+attention each head would pay the block, so that a head which looks for one block weighs as much as a head whose
+logits are large everywhere, and squared, so that one head that finds one block outweighs many that spread over the
+same few (the blocks after the sinks, which every query of some layers attends to). A layer ranks the blocks by its
+scores plus those of the layers below it in the same forward (`MemoryRead.evidence`): what a few heads of a
 few layers find (the heads that copy a passage seen before) carries to the layers above; and the forward's evidence
 starts from what the last forward that chose found (its layers' scores over their number, one layer's worth:
 `MemoryRead.carried`), so that a question read in pieces (`LexForCausalLM.reading_spans`) hands what its
