@@ -15,6 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import transformers
@@ -30,6 +31,7 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH"
 TINY = "hidden_size=64,num_hidden_layers=2,num_attention_heads=2,intermediate_size=128"
 BASE = ["--block_size", "64", "--vocab_size", "512", "--learning_rate", "3e-3", "--use_cpu", "--report_to", "none",
         "--seed", "7", "--logging_steps", "1", "--eval_strategy", "no", "--per_device_train_batch_size", "8"]
+LAUNCH_TIMEOUT = 600  # seconds a launched run may take; ten steps take under a minute on 2 cores
 
 
 @pytest.fixture(scope="module")
@@ -134,21 +136,38 @@ def launched(config: str, args: list[str]) -> str:
             commands, envs = [[*launch, "-m", "lex.cli", *args]], [ENV]
         # files, not pipes: a log is whole even when another process hangs, and no unread pipe blocks its writer
         outputs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in commands]
-        runs = [subprocess.Popen(command, env=env, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT, text=True)
+        # PYTHONFAULTHANDLER: a worker that aborts, or hangs and is sent SIGABRT, prints its threads' Python stacks
+        runs = [subprocess.Popen(command, env={**env, "PYTHONFAULTHANDLER": "1"}, cwd=ROOT, stdout=output,
+                                 stderr=subprocess.STDOUT, text=True)
                 for command, env, output in zip(commands, envs, outputs)]
+        hung = False
         try:
             for run in runs:
-                run.wait(timeout=600)
+                run.wait(timeout=LAUNCH_TIMEOUT)
         except subprocess.TimeoutExpired:
-            pass
+            hung = True
+            # torchrun starts each worker in a session of its own: the launcher's children, found before it dies
+            processes = [process for run in runs if run.poll() is None
+                         for process in [psutil.Process(run.pid), *psutil.Process(run.pid).children(recursive=True)]]
+            for process in reversed(processes):  # workers first, so that their launcher still reads their ends
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    process.send_signal(signal.SIGABRT)
+            psutil.wait_procs(processes, timeout=10)
+            for process in processes:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    process.kill()
         finally:
             for run in runs:
                 run.kill()
+                run.wait()
         logs = []
         for output in outputs:
             output.seek(0)
             logs.append(output.read())
-    assert all(run.returncode == 0 for run in runs), [log[-3000:] for log in logs]
+    if hung or not all(run.returncode == 0 for run in runs):
+        # pytest.fail, not assert: pytest shortens an assertion's message, and a teardown fault shows at the end
+        status = f"exit statuses {[run.returncode for run in runs]}" + (f", hung {LAUNCH_TIMEOUT} s" if hung else "")
+        pytest.fail(status + "\n" + "\n----- next launcher -----\n".join(log[-8000:] for log in logs), pytrace=False)
     return "\n".join(logs)
 
 
