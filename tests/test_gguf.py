@@ -139,7 +139,9 @@ def test_convert_hf_of_a_gguf_computes_what_the_gguf_loaded_llama_does(real, tex
     ids = tokenizer(text.read_text(), return_tensors="pt").input_ids[:, :300]
     assert ids.shape[1] == 300
     with torch.no_grad():
-        torch.testing.assert_close(model(ids).logits, source(ids).logits, atol=1e-4, rtol=0)
+        # float32 through 30 layers: one CPU's kernels differ by up to 1.04e-4 (at a logit of 9.2); a converter fault
+        # as small as the norms' eps doubled moves a logit by 3.2e-2
+        torch.testing.assert_close(model(ids).logits, source(ids).logits, atol=2e-4, rtol=1e-5)
     saved = AutoTokenizer.from_pretrained(out)  # the tokenizer came along and encodes alike
     assert saved(text.read_text()).input_ids == tokenizer(text.read_text()).input_ids
     assert saved.decode(ids[0, :20]) == tokenizer.decode(ids[0, :20])

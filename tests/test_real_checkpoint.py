@@ -73,7 +73,9 @@ def test_the_converted_checkpoint_computes_what_transformers_llama_does(smollm2,
     lex = lex_from_hf(llama).eval()
     ids = text_ids[None, :300]
     with torch.no_grad():
-        torch.testing.assert_close(lex(ids).logits, llama(ids).logits, atol=1e-4, rtol=0)
+        # float32 through 30 layers: one CPU's kernels differ by up to 1.04e-4 (at a logit of 9.2); a converter fault
+        # as small as the norms' eps doubled moves a logit by 3.2e-2
+        torch.testing.assert_close(lex(ids).logits, llama(ids).logits, atol=2e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["sliding", "blockwise"])
