@@ -146,14 +146,17 @@ def launched(config: str, args: list[str]) -> str:
                 run.wait(timeout=LAUNCH_TIMEOUT)
         except subprocess.TimeoutExpired:
             hung = True
-            # torchrun starts each worker in a session of its own: the launcher's children, found before it dies
-            processes = [process for run in runs if run.poll() is None
-                         for process in [psutil.Process(run.pid), *psutil.Process(run.pid).children(recursive=True)]]
-            for process in reversed(processes):  # workers first, so that their launcher still reads their ends
+            # torchrun starts each worker in a session of its own: the launcher's children, found before it dies;
+            # SIGABRT makes each print its stacks (one at a time, so that they do not interleave), then all are killed
+            workers = []
+            for run in runs:
+                with contextlib.suppress(psutil.NoSuchProcess):  # (a launcher may exit meanwhile)
+                    workers += psutil.Process(run.pid).children(recursive=True)
+            for process in workers:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     process.send_signal(signal.SIGABRT)
-            psutil.wait_procs(processes, timeout=10)
-            for process in processes:
+                psutil.wait_procs([process], timeout=10)
+            for process in workers:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     process.kill()
         finally:
