@@ -310,7 +310,8 @@ def memory_forward(state, config, input_ids, forwards, margins=None):
     ranks the blocks by its score plus the scores of the layers below it in the same forward plus what the last
     forward that chose found: the scores its layers added, over the number of those layers (0 for a block that was
     no candidate then). The best k // 3 blocks (of equal sums, the later), each with the candidates beside it, then
-    the best of the rest up to k, in stream order, fill the last slots of k (a forward of one token among as many
+    the best of the rest up to k fill the last slots of k, each run of consecutive blocks in stream order and the runs
+    by their best sum, the best last (of equal sums, the earlier run first) (a forward of one token among as many
     complete blocks as at the layer's last choice reads the blocks chosen then, and adds no score); slot s's token t
     is seen at distance (query - its window's first token) + k*b - (s*b + t), sink j at (query - window's first) +
     k*b + S - j. Supports xpos, rope, decay, alibi, none. `margins`: a list that receives, per forward and layer
@@ -416,8 +417,15 @@ def memory_forward(state, config, input_ids, forwards, margins=None):
                 for _, j in ranked:
                     if len(chosen) < min(slots, len(ranked)):
                         chosen.add(j)
+                runs = []  # runs of consecutive blocks, by their best sum (of equal ones, the earlier run first)
+                for j in sorted(chosen):
+                    if runs and runs[-1][-1] == j - 1:
+                        runs[-1].append(j)
+                    else:
+                        runs.append([j])
+                runs.sort(key=lambda run: max(summed[j] for j in run))  # (sort is stable)
                 memory = []  # (stream index, place in the memory's slots)
-                for rank, j in enumerate(sorted(chosen)):
+                for rank, j in enumerate(j for run in runs for j in run):
                     slot = slots - len(chosen) + rank
                     memory += [(j * block + t, slot * block + t) for t in range(block)]
                 held[layer] = (evicted // block, memory)

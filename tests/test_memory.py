@@ -147,11 +147,15 @@ def test_decoding_from_the_first_token_matches_the_reference(method):
 
 
 def test_choose_blocks():
-    """The rule by hand: the best k // 3 blocks with the candidates beside them, then the best of the rest, in stream
-    order; of equal scores the later; each row alone; empty slots first."""
+    """The rule by hand: the best k // 3 blocks with the candidates beside them, then the best of the rest; of equal
+    scores the later; each row alone; empty slots first; each run of consecutive blocks in stream order, the runs by
+    their best score, the best last (of equal scores, the earlier run first)."""
     low = -torch.inf
     scores = torch.tensor([[5.0, 1, 0, 9, 2, 3], [0, 0, 8, 0, 0, 7]])
-    assert choose_blocks(scores, 4).tolist() == [[0, 2, 3, 4], [1, 2, 3, 5]]  # the best 4: 0, 3, 4, 5
+    assert choose_blocks(scores, 4).tolist() == [[0, 2, 3, 4], [5, 1, 2, 3]]  # the best 4: 0, 3, 4, 5
+    assert choose_blocks(torch.tensor([9.0, 0, 0, 0, 5, 0, 0, 3]), 3).tolist() == [4, 0, 1]
+    assert choose_blocks(torch.tensor([5.0, 0, 0, 5]), 2).tolist() == [0, 3]
+    assert choose_blocks(torch.tensor([2.0, low, low]), 3).tolist() == [-1, -1, 0]
     assert choose_blocks(scores, 3).tolist() == [[2, 3, 4], [1, 2, 3]]
     assert choose_blocks(torch.tensor([1.0, 7, 1]), 2).tolist() == [1, 2]
     assert choose_blocks(torch.tensor([4.0, 1, 1, 4, 0, 0, 0]), 3).tolist() == [2, 3, 4]
