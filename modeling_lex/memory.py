@@ -34,8 +34,9 @@ filler had found outweighed the question). The best floor(k / 3)
 blocks are read each with the blocks beside it, so that a passage cut by a block boundary is read whole; the slots
 left take the best of the rest (of equal scores, always the later block).
 These min(k, candidates) blocks are read in the last of the k slots (the first are empty, masked), each run of
-consecutive blocks in stream order and the runs by their best score, the best next to the window (`placed`;
-in stream order, a key the checkpoint recalls from 1,000 tokens back was read 1,500 back and missed).
+consecutive blocks in stream order and the runs by their best score, the best next to the window (`placed`:
+in stream order, a key that full attention as published recalls with the document's last 1,000 tokens after it
+and misses with its last 2,000 was read about 1,650 tokens back, and missed).
 Slot s's token t sits at frame position -k*b + s*b + t: just before the query's window and after its sinks
 (visibility.memory_frame), the same for every layer. Tried on SmolLM2-135M (benchmarks/RESULTS.md): the best k
 blocks alone never read a passkey cut at token 2,048 of 4,096 whole; with a neighbour or both it was recalled; each
@@ -170,9 +171,9 @@ def placed(chosen: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     """Chosen blocks (..., k) in stream order, -1 (empty) first -> the same blocks in the order the slots read them:
     each run of consecutive blocks whole and in stream order, the runs by their best score, the best last (next to
     the window); of equal scores the earlier run first. The slots nearest the window are the ones the model reads
-    best: on SmolLM2-135M the passkey 19665, hidden in natural text at 50% of 32k tokens, was read in 28 of the
-    answering token's 30 layers 500-670 tokens of other blocks before the window, and missed; its run last,
-    recalled (benchmarks/RESULTS.md)."""
+    best: on SmolLM2-135M the passkey 19665, hidden in natural text at 50% of 32k tokens, was read in all 30 of the
+    answering token's layers with 34-41 other blocks (544-656 tokens) between it and the window, and missed; with
+    the runs by score, 8-19 (128-304 tokens), and recalled (benchmarks/RESULTS.md)."""
     starts = torch.ones_like(chosen, dtype=torch.bool)
     starts[..., 1:] = (chosen[..., 1:] != chosen[..., :-1] + 1) | (chosen[..., :-1] < 0)
     run = starts.long().cumsum(-1) - 1  # each slot's run
