@@ -6,6 +6,7 @@ logits) for every forward split a user meets: token by token, prompt chunks of w
 real checkpoint's recall of a key hidden at 4·l is tested in test_real_checkpoint.py (slow).
 """
 
+import math
 from itertools import accumulate
 
 import pytest
@@ -105,19 +106,22 @@ def test_cached_reading_matches_the_reference(method, mode, sinks, monkeypatch):
 
 
 def test_blocks_scored_in_slices_match_the_reference(monkeypatch):
-    """The representatives scored 2 blocks at a time (the last slice short): the same choices and logits as the
-    reference, which scores every block at once."""
+    """The representatives scored in slices of at most 8 logits: 2 blocks at a time for a decoding step's one query
+    (1 row x 4 query heads x 1 representative a block; the last slice short), one at a time for a prompt's queries.
+    The same choices and logits as the reference, which scores every block at once."""
     config = memory_config(position_embedding_type="rope", attention_mode="sliding", attention_sinks=4)
     model = perturbed_model(config, seed=3)
     calls = [W, W - 3, 5] + [1] * 12
     ids = distinct_prompt(sum(calls), seed=3)
-    sliced = []
-    monkeypatch.setattr(memory, "SCORED_BLOCKS_AT_ONCE", 2)
-    scores = memory.block_scores
-    monkeypatch.setattr(memory, "block_scores", lambda query, reps, candidates: sliced.append(reps.shape[3]) or
-                        scores(query, reps, candidates))
+    products = []  # the blocks of each slice a forward of one query scored
+    monkeypatch.setattr(memory, "SCORED_LOGITS_AT_ONCE", 8)
+    monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: products.append(
+        (a.shape[-2], b.shape[-1])) or torch.matmul(a, b))
     logits = read(model, ids, calls, LexCache(config))
-    assert max(sliced) > 4 and any(count % 2 for count in sliced)  # several slices, some of them short
+    monkeypatch.undo()
+    decoding = [blocks for rows, blocks in products if rows == 2]  # (2 query heads of each key/value head)
+    assert decoding and max(decoding) == 2 and 1 in decoding  # several slices of 2, some short
+    assert {blocks for rows, blocks in products if rows > 2} == {1}
     assert_reference(model, ids, as_read(calls), logits)
 
 
@@ -162,6 +166,39 @@ def test_choose_blocks():
     assert choose_blocks(torch.tensor([low, low, 4, 6]), 4).tolist() == [-1, -1, 2, 3]
     assert choose_blocks(torch.tensor([low, 6, 4, 1]), 3).tolist() == [1, 2, 3]  # block 0 is no candidate
     assert choose_blocks(torch.tensor([3.0, 1, 2]), 1).tolist() == [0]
+
+
+def naive_choice(scores: list[float], slots: int) -> list[int]:
+    """The rule of `test_choose_blocks` written out over a list (as reference.memory_forward has it)."""
+    candidates = {j: s for j, s in enumerate(scores) if s > -math.inf}
+    ranked = sorted(((s, j) for j, s in candidates.items()), reverse=True)  # of equal scores, the later first
+    chosen = set()
+    for _, j in ranked[: slots // 3]:
+        chosen.update(m for m in (j - 1, j, j + 1) if m in candidates)
+    for _, j in ranked:
+        if len(chosen) < min(slots, len(ranked)):
+            chosen.add(j)
+    runs = []
+    for j in sorted(chosen):
+        if runs and runs[-1][-1] == j - 1:
+            runs[-1].append(j)
+        else:
+            runs.append([j])
+    runs.sort(key=lambda run: max(candidates[j] for j in run))
+    return [-1] * (slots - len(chosen)) + [j for run in runs for j in run]
+
+
+@pytest.mark.parametrize("slots", [1, 2, 3, 16, 64])
+def test_choose_blocks_among_many_ties(slots):
+    """Thousands of blocks whose scores take a few values (and some no candidates): the choice is the rule's,
+    whatever the number of tied blocks at the cut (the later of them)."""
+    generator = torch.Generator().manual_seed(slots)
+    for n, values in [(3000, 4), (500, 2), (slots + 2, 3), (8192, 1000)]:
+        scores = torch.randint(values, (2, n), generator=generator).float()
+        scores[torch.rand(2, n, generator=generator) < 0.2] = -math.inf
+        scores[1, : n // 2] = -math.inf  # the second row: fewer candidates
+        for row in range(2):
+            assert choose_blocks(scores, slots)[row].tolist() == naive_choice(scores[row].tolist(), slots)
 
 
 def test_blocks_of_equal_scores():
