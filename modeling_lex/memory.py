@@ -127,9 +127,9 @@ def block_scores(query: torch.Tensor, representatives: torch.Tensor, candidates:
     takes. The representatives are scored in slices of blocks whose logits are at most `SCORED_LOGITS_AT_ONCE`, so
     that the temporaries stay of one size however long the document (the logits of all of them at once were 75 MB a
     layer at 131k tokens of a prompt's choosing queries, and glibc kept what they left behind), and a decoding
-    step's one query scores every block at once (slices of 256 blocks made scoring 8,192 blocks take twice the
-    time of their product); a block's best logit is the elementwise max of its r rows of logits (a max over each
-    block's r adjacent logits took 40% more time than the logits themselves)."""
+    step's one query scores every block at once (8,127 blocks, 131k tokens: 1.7 ms, in slices of 256 blocks 2.4-3.1
+    ms, benchmarks/memory_choice_speed.py); a block's best logit is the elementwise max of its r rows of logits (a
+    max over each block's r adjacent logits took 40% more time than the logits themselves)."""
     batch, heads, queries, width = query.shape
     kv_heads, count, blocks = representatives.shape[1], representatives.shape[2], representatives.shape[3]
     grouped = query.reshape(batch, kv_heads, 1, heads // kv_heads * queries, width).float()
@@ -144,8 +144,8 @@ def block_scores(query: torch.Tensor, representatives: torch.Tensor, candidates:
 
 def _best(scores: torch.Tensor, count: int) -> torch.Tensor:
     """Indices (..., count) of the `count` best scores along the last dimension, of equal scores the later ones, in
-    stream order: by one top-k and linear passes (where two stable sorts of 8,192 blocks, 131k tokens, took 1.5 ms a
-    layer on one CPU thread, this takes 0.5 ms)."""
+    stream order: by one top-k and linear passes (`choose_blocks` among 8,127 blocks, 131k tokens, in 0.7 ms where
+    two stable sorts took 1.4-1.7 ms; among 447, 8k tokens, 0.46 ms against 0.16-0.19: benchmarks/RESULTS.md)."""
     n = scores.shape[-1]
     if count >= n:
         return torch.arange(n, device=scores.device).expand(*scores.shape[:-1], n)
