@@ -296,6 +296,28 @@ def use_window_attention(model, mode: str, window: int, sinks: int, rule: str = 
     return model
 
 
+def chosen_blocks(summed: dict[int, float], slots: int) -> list[int]:
+    """The retrieval rule over the candidate blocks' summed scores: the blocks read, in the order of the last
+    len(result) slots. The best slots // 3 (of equal sums, the later) with the candidates beside each, then the best
+    of the rest; runs of consecutive blocks in stream order, the runs by their best sum, the best last (of equal
+    ones, the earlier run first)."""
+    ranked = sorted(((s, j) for j, s in summed.items()), reverse=True)
+    chosen = set()
+    for _, j in ranked[: slots // 3]:
+        chosen.update(m for m in (j - 1, j, j + 1) if m in summed)
+    for _, j in ranked:
+        if len(chosen) < min(slots, len(ranked)):
+            chosen.add(j)
+    runs = []
+    for j in sorted(chosen):
+        if runs and runs[-1][-1] == j - 1:
+            runs[-1].append(j)
+        else:
+            runs.append([j])
+    runs.sort(key=lambda run: max(summed[j] for j in run))  # (sort is stable)
+    return [j for run in runs for j in run]
+
+
 def memory_forward(state, config, input_ids, forwards, margins=None):
     """Logits (n, vocab) of one row (one document from position 0, no padding) read as `forwards` (token counts,
     in order) through a cache with the block memory past the window (attention_memory_blocks = k, blocks of
@@ -411,22 +433,10 @@ def memory_forward(state, config, input_ids, forwards, margins=None):
                 if margins is not None and len(ranked) > slots:
                     boundary = max(slots // 3, 1)
                     margins.append(ranked[boundary - 1][0] - ranked[boundary][0])
-                chosen = set()
-                for _, j in ranked[: slots // 3]:
-                    chosen.update(m for m in (j - 1, j, j + 1) if m in summed)
-                for _, j in ranked:
-                    if len(chosen) < min(slots, len(ranked)):
-                        chosen.add(j)
-                runs = []  # runs of consecutive blocks, by their best sum (of equal ones, the earlier run first)
-                for j in sorted(chosen):
-                    if runs and runs[-1][-1] == j - 1:
-                        runs[-1].append(j)
-                    else:
-                        runs.append([j])
-                runs.sort(key=lambda run: max(summed[j] for j in run))  # (sort is stable)
+                read = chosen_blocks(summed, slots)
                 memory = []  # (stream index, place in the memory's slots)
-                for rank, j in enumerate(j for run in runs for j in run):
-                    slot = slots - len(chosen) + rank
+                for rank, j in enumerate(read):
+                    slot = slots - len(read) + rank
                     memory += [(j * block + t, slot * block + t) for t in range(block)]
                 held[layer] = (evicted // block, memory)
                 attend(a, count, memory)

@@ -168,37 +168,19 @@ def test_choose_blocks():
     assert choose_blocks(torch.tensor([3.0, 1, 2]), 1).tolist() == [0]
 
 
-def naive_choice(scores: list[float], slots: int) -> list[int]:
-    """The rule of `test_choose_blocks` written out over a list (as reference.memory_forward has it)."""
-    candidates = {j: s for j, s in enumerate(scores) if s > -math.inf}
-    ranked = sorted(((s, j) for j, s in candidates.items()), reverse=True)  # of equal scores, the later first
-    chosen = set()
-    for _, j in ranked[: slots // 3]:
-        chosen.update(m for m in (j - 1, j, j + 1) if m in candidates)
-    for _, j in ranked:
-        if len(chosen) < min(slots, len(ranked)):
-            chosen.add(j)
-    runs = []
-    for j in sorted(chosen):
-        if runs and runs[-1][-1] == j - 1:
-            runs[-1].append(j)
-        else:
-            runs.append([j])
-    runs.sort(key=lambda run: max(candidates[j] for j in run))
-    return [-1] * (slots - len(chosen)) + [j for run in runs for j in run]
-
-
 @pytest.mark.parametrize("slots", [1, 2, 3, 16, 64])
 def test_choose_blocks_among_many_ties(slots):
     """Thousands of blocks whose scores take a few values (and some no candidates): the choice is the rule's,
-    whatever the number of tied blocks at the cut (the later of them)."""
+    whatever the number of tied blocks at the cut (the later of them), as the reference chooses."""
     generator = torch.Generator().manual_seed(slots)
     for n, values in [(3000, 4), (500, 2), (slots + 2, 3), (8192, 1000)]:
         scores = torch.randint(values, (2, n), generator=generator).float()
         scores[torch.rand(2, n, generator=generator) < 0.2] = -math.inf
         scores[1, : n // 2] = -math.inf  # the second row: fewer candidates
         for row in range(2):
-            assert choose_blocks(scores, slots)[row].tolist() == naive_choice(scores[row].tolist(), slots)
+            candidates = {j: s for j, s in enumerate(scores[row].tolist()) if s > -math.inf}
+            read = reference.chosen_blocks(candidates, slots)
+            assert choose_blocks(scores, slots)[row].tolist() == [-1] * (slots - len(read)) + read
 
 
 def test_blocks_of_equal_scores():
