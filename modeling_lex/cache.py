@@ -268,8 +268,8 @@ class LexCache(DynamicCache):
     """
 
     def __init__(self, config, memory_directory: str | None = None) -> None:
-        """`memory_directory`: with a block memory (`attention_memory_blocks`), keep it in memory-mapped files
-        there instead of RAM (memory.py)."""
+        """`memory_directory`: with a block memory (`attention_memory_blocks`), keep its keys and values in
+        memory-mapped files there instead of RAM (the blocks' representatives stay in RAM: memory.py)."""
         self.config, self.memory_directory = config, memory_directory
         init_cache_layers(self, [LexCacheLayer(self._memory()) for _ in range(config.num_hidden_layers)])
         self.stream = Stream(config)

@@ -54,9 +54,10 @@ The store grows with the document by its keys' and values' bytes (the model's dt
 quarter of each block's keys); attention per token stays O(S + k*b + w), and choosing the blocks reads the
 representatives of every candidate block (E / 4 keys per key/value head): once per forward of more than one
 token, and while decoding once per completed block (every b steps in sliding mode: choosing at every step made
-decoding the memory's main cost, benchmarks/RESULTS.md). With `directory` set, the store lives in
-memory-mapped files there (unlinked at once: the pages stay the process's until it drops them, and the files
-vanish with it).
+decoding the memory's main cost, benchmarks/RESULTS.md). With `directory` set, the keys and values live in
+memory-mapped files there (unlinked at once: their space is the process's until it drops them, and the files
+vanish with it; the kernel writes their pages out and reads them back, so the store may outgrow RAM); the
+representatives, a ninth of the store's bytes, which every choice reads whole, stay in RAM.
 """
 
 import os

@@ -370,8 +370,8 @@ def test_a_forward_that_raises_leaves_the_choice_as_it_was():
 
 
 def test_memory_mapped_store(tmp_path):
-    """`LexCache(config, memory_directory=...)`: the store in memory-mapped files there (unlinked at once), the same
-    logits and bytes as in RAM."""
+    """`LexCache(config, memory_directory=...)`: the keys and values in memory-mapped files there (unlinked at
+    once), the representatives, which every choice reads whole, in RAM; the same logits and bytes as in RAM."""
     config = memory_config(position_embedding_type="rope", attention_mode="sliding", attention_sinks=4)
     model = perturbed_model(config, seed=8)
     ids = prompt(1, 3 * W, seed=8)
@@ -382,6 +382,8 @@ def test_memory_mapped_store(tmp_path):
     assert not list(tmp_path.iterdir())
     layer = on_disk.layers[0].memory
     assert layer.keys.untyped_storage().filename is not None  # file-backed
+    assert layer.values.untyped_storage().filename is not None
+    assert layer.representatives.untyped_storage().filename is None
     evicted = on_disk.seen - on_disk.held
     per_token = 2 * config.num_key_value_heads * config.head_dim * 4  # keys and values, float32
     representatives = (evicted // BLOCK) * config.num_key_value_heads * (BLOCK // 4) * config.head_dim * 4

@@ -27,7 +27,7 @@ def convert_hf_parser() -> LexArgumentParser:
                         help="k: a block memory past the window in blockwise and sliding modes, the k best of the "
                              "evicted blocks read by every query chunk and decoded token (default 0: none)")
     parser.add_argument("--attention_memory_block_size", type=positive_int,
-                        help="tokens per memory block (default: LexConfig's, 64)")
+                        help="tokens per memory block (default: LexConfig's, 16)")
     parser.add_argument("--position_embedding_type", choices=hf.RETROFITS, default="rope",
                         help="rope (the source's) or xpos: the same rotation plus xPos's scale, "
                              "xpos_scale_base = max_position_embeddings / 2 (needs fine-tuning)")

@@ -58,9 +58,11 @@ def build_parser() -> LexArgumentParser:
                         help="K: a block memory past the window (blockwise and sliding modes): the K best blocks of "
                              "the evicted keys are read too (0: none; default: the model's own)")
     parser.add_argument("--attention_memory_block_size", type=positive_int,
-                        help="tokens per memory block (default: the model's own; a converted checkpoint's, 64)")
+                        help="tokens per memory block (default: the model's own; a converted checkpoint's: "
+                             "LexConfig's, 16)")
     parser.add_argument("--memory_directory", type=Path,
-                        help="keep the block memory in memory-mapped files in this folder instead of RAM")
+                        help="keep the block memory's keys and values in memory-mapped files in this folder instead "
+                             "of RAM (its representatives, a ninth of it, stay in RAM)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--no_progress", action="store_true", help="no progress bar while reading the prompt")
