@@ -702,6 +702,7 @@ def convert_gguf(path: Path, out_dir: Path, attention_mode: str | None, attentio
             lex.config.dtype = torch_dtype
         lex.save_pretrained(staging, max_shard_size=max_shard_size)
         gguf_tokenizer(path).save_pretrained(staging)
+        write_conversion_card(staging, lex.config, path, out_dir)
     return lex.config
 
 
@@ -774,10 +775,26 @@ def write_weights(names: dict, plan: Plan, config: LexConfig, to_lex: bool, stag
         (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
+def write_conversion_card(folder: Path, config: LexConfig, source: Path, out_dir: Path) -> None:
+    """The model card (lex.model_card) of a folder converted from `source` (its base_model) and being staged in
+    `folder` for `out_dir`: parameters counted from the weights written there."""
+    from lex.model_card import gguf_origin, model_card, source_origin, write_card
+    from lex.models import has_tokenizer
+
+    how = "converted by lex convert-hf"
+    origin = gguf_origin(source, how) if source.is_file() else source_origin(source, how)
+    parameters = sum(torch.Size(shape).numel() for _, shape, _ in read_names(weight_files(folder)).values())
+    notes = ("The xPos scale is new to these weights: fine-tune before use (`lex train`)."
+             if config.position_embedding_type == "xpos" else "")
+    write_card(folder, model_card(config, parameters, str(out_dir), origin=origin, tokenizer=has_tokenizer(folder),
+                                  notes=notes))
+
+
 def convert_folder(src_dir: Path, out_dir: Path, lex_config: LexConfig, target_config, build: Callable, to_lex: bool,
                    dtype: str | None, force: bool, max_shard_size: int | str) -> None:
     """Check every name and shape from the headers, then stream the weights into a staged OUT; carry the tokenizer
-    and generation_config over. Nothing is written before every check has passed."""
+    and generation_config over, and give a LEX OUT its model card. Nothing is written before every check has
+    passed."""
     torch_dtype = dtype_named(dtype)
     names = read_names(weight_files(src_dir))
     plan = plan_names({name: shape for name, (_, shape, _) in names.items()}, lex_config, to_lex)
@@ -791,6 +808,8 @@ def convert_folder(src_dir: Path, out_dir: Path, lex_config: LexConfig, target_c
         for name in CARRIED_FILES:
             if (src_dir / name).is_file():
                 shutil.copy2(src_dir / name, staging / name)
+        if to_lex:
+            write_conversion_card(staging, lex_config, src_dir, out_dir)
 
 
 def load_config(folder: Path):

@@ -16,6 +16,7 @@ From Python: `export(model_or_dir, out_dir)` then `push_to_hub(out_dir, repo_id)
 
 import ast
 import importlib.util
+from fnmatch import fnmatch
 import json
 import pkgutil
 import re
@@ -29,8 +30,9 @@ from lex_base.staging import atomic_directory
 import modeling_lex
 from modeling_lex import LexForCausalLM
 
+from .model_card import CARD_FILE, Origin, card_metadata, model_card
 from .models import has_tokenizer, model_config, saved_for_generation
-from .report import length_table, markdown_table
+from .report import length_table
 
 AUTO_MAP = {
     "AutoConfig": "configuration_lex.LexConfig",
@@ -44,7 +46,6 @@ FLAT_MODULES = {"configuration_lex.configuration_lex": "configuration_lex"} | {
     f"modeling_lex.{info.name}": info.name for info in pkgutil.iter_modules(modeling_lex.__path__)
 }
 PROJECT_PACKAGES = ("configuration_lex", "modeling_lex", "lex", "convert", "lex_base")
-CARD_TAGS = ("lex", "xpos", "length-extrapolation", "custom_code")
 LICENSE_ID = re.compile(r"^[a-z0-9][a-z0-9.+-]*$")
 
 
@@ -111,88 +112,21 @@ def load_results(path: Path) -> list[dict]:
     return records
 
 
-def model_card(config, parameters: int, repo_name: str, license_name: str, has_tokenizer: bool,
-               results: str | None) -> str:
-    """README.md: Hub metadata in YAML front matter, what the model is, how to load it, its perplexity table."""
-    mode, window, length = config.attention_mode, config.attention_window, config.max_position_embeddings
-    attention = {
-        "blockwise": f"blockwise causal (BCA): blocks of {window // 2} tokens, a token sees its block and the "
-                     f"previous one (at most {window} keys)",
-        "sliding": f"sliding window: a token sees the last {window} keys",
-        "full": "full causal attention",
-    }[mode]
-    if mode == "full":
-        long_inputs = ("Attention here is full: for inputs longer than the training length load the model with "
-                       '`attention_mode="blockwise"` (a config override), which reads any length in '
-                       f"O(n·{window}) memory.")
-    else:
-        sinks = config.attention_sinks
-        plus = f" plus the document's first {sinks} tokens (attention sinks)" if sinks else ""
-        long_inputs = (f"Inputs may be far longer than the training length: attention only ever looks at {window} "
-                       f"keys{plus}, and `generate()` keeps a cache of at most {window - 1 + sinks} positions per "
-                       "layer.")
-    load = ["from transformers import AutoModelForCausalLM, AutoTokenizer", "",
-            f'model = AutoModelForCausalLM.from_pretrained("{repo_name}", trust_remote_code=True)']
-    if has_tokenizer:
-        load += [f'tokenizer = AutoTokenizer.from_pretrained("{repo_name}")',
-                 'ids = tokenizer("In the beginning", return_tensors="pt").input_ids',
-                 "print(tokenizer.decode(model.generate(ids, max_new_tokens=50)[0]))"]
-    lines = [
-        "---",
-        "library_name: transformers",
-        "pipeline_tag: text-generation",
-        f"license: {license_name}",
-        "tags:",
-        *[f"- {tag}" for tag in CARD_TAGS],
-        "---",
-        "",
-        f"# {repo_name}",
-        "",
-        'A LEX Transformer ("A Length-Extrapolatable Transformer", Sun et al. 2022): a decoder-only language '
-        f"model with {config.position_embedding_type} positions and {mode} attention.",
-        "",
-        markdown_table(["", ""], [
-            ["training length", f"{length} tokens"],
-            ["attention mode", mode],
-            ["attention window", f"{window} tokens"],
-            ["attention sinks", str(config.attention_sinks)],
-            ["position embedding", config.position_embedding_type],
-            ["parameters", f"{parameters:,}"],
-            ["layers / hidden / heads",
-             f"{config.num_hidden_layers} / {config.hidden_size} / {config.num_attention_heads}"],
-        ]),
-        "",
-        f"Attention: {attention}. {long_inputs}",
-        "",
-        "## How to load",
-        "",
-        "The model code ships with the weights (`trust_remote_code=True`); it needs torch and transformers 5.",
-        "",
-        "```python",
-        *load,
-        "```",
-    ]
-    if results:
-        lines += ["", "## Perplexity by evaluation length", "",
-                  f"Trained on {length}-token sequences; evaluated at the lengths below (`lex eval-length`).", "",
-                  results]
-    return "\n".join(lines) + "\n"
-
-
 def _is_within(path: Path, folder: Path) -> bool:
     return path == folder or folder in path.parents
 
 
 def export(model, out_dir: str | Path, *, tokenizer=None, results: str | Path | None = None,
-           license_name: str = "mit", max_shard_size: str | int = "2GB", repo_name: str | None = None,
+           license_name: str | None = None, max_shard_size: str | int = "2GB", repo_name: str | None = None,
            force: bool = False) -> Path:
     """Write the Hub-ready folder for a LEX model (a model folder or a LexForCausalLM); returns OUT_DIR.
 
     The tokenizer and the results file default to those in the model folder (tokenizer files, results.json).
-    `repo_name` is the name the card's loading snippet uses (default: the folder's name).
+    `repo_name` is the name the card's loading snippet uses (default: the folder's name). The card keeps the
+    base_model and license of the model folder's own card (`license_name` replaces that license; default mit).
     """
     out_dir = Path(out_dir).resolve()
-    if not LICENSE_ID.match(license_name):
+    if license_name is not None and not LICENSE_ID.match(license_name):
         raise ExportError(f"--license {license_name!r}: use a Hub license id such as mit, apache-2.0 or other")
     try:
         convert_file_size_to_int(max_shard_size)
@@ -216,8 +150,13 @@ def export(model, out_dir: str | Path, *, tokenizer=None, results: str | Path | 
     table = length_table(load_results(Path(results))) if results is not None else None
     sources = {f"{flat}.py": flat_source(module) for module, flat in FLAT_MODULES.items()}
     parameters = sum(p.numel() for p in model.parameters())
-    card = model_card(model.config, parameters, repo_name or out_dir.name, license_name, tokenizer is not None,
-                      table)
+    carried = card_metadata(model_dir) if model_dir is not None else {}
+    base = carried.get("base_model")
+    origin = Origin(base, carried.get("license"),
+                    f"its weights come from `{base}`" if base else "exported by lex export")
+    card = model_card(model.config, parameters, repo_name or out_dir.name, origin=origin,
+                      license_name=license_name or origin.license or "mit", tokenizer=tokenizer is not None,
+                      remote_code=True, extra_tags=("custom_code",), results=table)
 
     previous_auto_map = getattr(model.config, "auto_map", None)
     model.config.auto_map = dict(AUTO_MAP)
@@ -228,22 +167,27 @@ def export(model, out_dir: str | Path, *, tokenizer=None, results: str | Path | 
                 (staging / name).write_text(text, encoding="utf-8")
             if tokenizer is not None:
                 tokenizer.save_pretrained(staging)
-            (staging / "README.md").write_text(card, encoding="utf-8")
+            (staging / CARD_FILE).write_text(card, encoding="utf-8")
     finally:
         model.config.auto_map = previous_auto_map
     return out_dir
 
 
-def folder_files(folder: Path) -> list[str]:
-    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+def folder_files(folder: Path, exclude: tuple[str, ...] = ()) -> list[str]:
+    """The files under `folder`, as repository paths, but those under a top-level entry matching `exclude`."""
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()
+                  and not any(fnmatch(p.relative_to(folder).parts[0], pattern) for pattern in exclude))
 
 
 def push_to_hub(folder: str | Path, repo_id: str, *, private: bool = False, dry_run: bool = False,
-                commit_message: str | None = None, token: str | None = None) -> str:
-    """Upload exactly the exported folder to `repo_id` as one commit; with `dry_run`, describe it and touch nothing.
+                commit_message: str | None = None, token: str | None = None, exclude: tuple[str, ...] = ()) -> str:
+    """Upload exactly the folder (an export, or a model or adapter folder with its card) to `repo_id` as one
+    commit; with `dry_run`, describe it and touch nothing.
 
     Files of the repository that the folder lacks (a stale shard of an earlier export) are deleted in the same
-    commit, so the repository ends up equal to the folder; .gitattributes is kept.
+    commit, so the repository ends up equal to the folder; .gitattributes is kept. Top-level entries matching a
+    pattern of `exclude` (lex train's checkpoint-*) are not uploaded. A name without a namespace is created in the
+    token's own.
     """
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
@@ -252,9 +196,10 @@ def push_to_hub(folder: str | Path, repo_id: str, *, private: bool = False, dry_
     except HFValidationError as error:
         raise ExportError(f"--push_to_hub {repo_id!r}: {error}") from error
     folder = Path(folder)
-    files = folder_files(folder)
-    if "config.json" not in files or "README.md" not in files:
-        raise ExportError(f"{folder} is not an exported folder (no config.json or README.md); run lex export first")
+    files = folder_files(folder, exclude)
+    if not {"config.json", "adapter_config.json"} & set(files) or CARD_FILE not in files:
+        raise ExportError(f"{folder} is not an exported folder (no config.json or adapter_config.json, or no "
+                          f"{CARD_FILE}); run lex export first")
     message = commit_message or f"Upload LEX model with lex export ({len(files)} files)"
     if dry_run:
         return "\n".join([f"dry run: would create {'private ' if private else ''}model repo {repo_id} if needed "
@@ -263,7 +208,7 @@ def push_to_hub(folder: str | Path, repo_id: str, *, private: bool = False, dry_
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
 
     api = HfApi(token=token)
-    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    repo_id = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model").repo_id
     stale = sorted(set(api.list_repo_files(repo_id, repo_type="model")) - set(files) - {".gitattributes"})
     operations = [CommitOperationDelete(path_in_repo=name) for name in stale]
     operations += [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(folder / name)) for name in files]

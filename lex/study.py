@@ -40,10 +40,11 @@ from modeling_lex import LexForCausalLM
 
 from .data import (DataError, check_text_file, expand_globs, load_documents, pack, tokenize_documents,
                    tokenized_documents, train_tokenizer)
+from .model_card import Origin, model_card, write_card
 from .models import attention_variants, load_model, saved_for_generation
 from .passkey import passkey_rows
 from .perplexity import PROTOCOLS, score_rows
-from .report import attention_label, markdown, plot_losses, plot_resolution, tables, write_results
+from .report import attention_label, length_table, markdown, plot_losses, plot_resolution, tables, write_results
 from .resolution import analytic_curves, resolution_rows
 
 SETTINGS = {
@@ -290,6 +291,12 @@ def study_in(work: Path, variants: list[str], settings: dict, lengths: list[int]
               f"{time.perf_counter() - began:.0f} s, final train loss {losses[-1]:.3f}", flush=True)
         scored, probed = evaluate_with_progress(folder, variant, eval_texts, lengths, device)
         rows, passkey = rows + scored, passkey + probed
+        write_card(folder, model_card(
+            model.config, sum(p.numel() for p in model.parameters()), variant,
+            origin=Origin(description=f"trained from scratch by `lex demo` ({corpus or 'the King James Bible'})"),
+            figures={"steps": steps, "final train loss": losses[-1]},
+            figures_source=f"`lex demo`: {steps} steps of batches of {settings['batch']} blocks of {length} tokens.",
+            results=length_table(scored)))
         model = load_model(str(folder), None, device)  # resolution reads a LEX model's scores: convert the llama
         model = model if model.config.model_type == "lex" else lex_from_hf(model)
         row, curves[variant] = resolution_rows(model, tokenizer, variant, eval_texts)

@@ -11,6 +11,7 @@ running the same command again), and a non-empty one without checkpoints is refu
 --overwrite_output_dir. A distributed run ends by destroying its process group after a final barrier.
 """
 
+import copy
 import logging
 import math
 import os
@@ -38,15 +39,22 @@ from transformers.trainer_utils import get_last_checkpoint
 
 import modeling_lex  # noqa: F401  (registers the Auto classes)
 from configuration_lex import ATTENTION_MODES, SINK_POSITIONS, LexConfig
-from convert.hf import RETROFITS
-from lex_base.staging import atomic_files, is_staging
+from convert.hf import RETROFITS, SOURCE_TYPES
+from lex_base.staging import atomic_directory, atomic_files, is_staging
 
 from .data import DataError, Packing, load_documents, pack, split_tail, tokenize_documents, train_tokenizer
+from .model_card import Origin, gguf_origin, model_card, source_origin, write_card
 from .models import has_tokenizer, load_for_training, model_config, saved_for_generation, source_gguf
 from .models import load_tokenizer as load_model_tokenizer
 from .report import plot_losses
 
 logger = logging.getLogger(__name__)
+# The folder beside a LoRA adapter that holds the model it was trained on, when no other folder does.
+BASE_FOLDER = "base"
+# The figures of a run that its model card reports, where the run measured them.
+CARD_FIGURES = ("train_loss", "eval_loss", "perplexity", "epoch", "train_runtime")
+# What lex train's upload leaves out of --output_dir, as Trainer.push_to_hub does.
+UPLOAD_EXCLUDED = ("checkpoint-*", "_*")
 # What LoRA adapts by default: every projection of a Llama-family (and Llama-shaped LEX) layer.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -371,6 +379,96 @@ def save_full_model(model: torch.nn.Module, output_dir: str | Path, processing_c
         dist.barrier()
 
 
+def adapter_base(model_args: ModelArguments, output_dir: str | Path) -> tuple[str, bool]:
+    """The base_model_name_or_path a LoRA adapter records, and whether `save_base` must write it: a LEX (or other
+    non-converted) folder's absolute path or Hub id as given; for a converted checkpoint or a new model, OUT/base.
+
+    Absolute, because peft opens the path as given, relative to the working directory of whoever loads the
+    adapter: `AutoPeftModelForCausalLM.from_pretrained(OUT)` then works from any directory of this machine. Moving
+    the folder breaks it (as it would a relative path seen from elsewhere); the card says how to load the base
+    then."""
+    source = model_args.model_name_or_path
+    if source and model_config(source, "--model_name_or_path", gguf=True).model_type not in SOURCE_TYPES:
+        return (str(Path(source).resolve()) if Path(source).exists() else source), False
+    return str((Path(output_dir) / BASE_FOLDER).resolve()), True
+
+
+def run_origin(model_args: ModelArguments, how: str, scratch: str) -> Origin:
+    """Where the trained weights come from, for the cards: the .gguf file's metadata, the folder or Hub id (`how`
+    they were read, e.g. "fine-tuned by lex train"), or nothing (`scratch` says so)."""
+    source = model_args.model_name_or_path
+    if not source:
+        return Origin(description=scratch)
+    gguf = source_gguf(source, "--model_name_or_path")
+    return gguf_origin(gguf, how) if gguf is not None else source_origin(source, how)
+
+
+def save_base(model_args: ModelArguments, data_args: DataArguments, tokenizer, seed: int, folder: str) -> None:
+    """Write the model a LoRA adapter was trained on into `folder`, with its tokenizer and card: rebuilt as
+    `prepare` built it, after the same seed (the conversion of the checkpoint, or a new model's initial weights;
+    LoRA leaves them untouched)."""
+    set_seed(seed)
+    base = build_model(model_args, data_args.block_size, tokenizer)
+    card = model_card(base.config, sum(p.numel() for p in base.parameters()), folder,
+                      origin=run_origin(model_args, "converted by lex train",
+                                        "the initial weights of a model trained from scratch by lex train"),
+                      notes="The base model of the LoRA adapter in the folder above it.")
+    with atomic_directory(folder, force=True) as staging, saved_for_generation(base.config):
+        base.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        write_card(staging, card)
+
+
+def run_card(model, model_args: ModelArguments, data_args: DataArguments, training_args: TrainingArguments,
+             peft_args: PeftArguments, metrics: dict, steps: int) -> str:
+    """The model card of a training run's --output_dir: the model (or adapter) `model`, its source and what the run
+    measured."""
+    adapter = peft_args.use_peft and not peft_args.merge_adapter
+    name = training_args.hub_model_id if training_args.push_to_hub and training_args.hub_model_id else str(
+        training_args.output_dir)
+    if adapter:
+        trainable, total = model.get_nb_trainable_parameters()
+        base = model.peft_config[model.active_adapter].base_model_name_or_path
+        notes = (f"LoRA rank {peft_args.lora_r}, alpha {peft_args.lora_alpha}, on "
+                 f"{', '.join(peft_args.lora_target_modules)}: {trainable:,} trained parameters. Its base is `{base}` "
+                 "(adapter_config.json's base_model_name_or_path, an absolute path so that it loads from any "
+                 "directory); where the folder has moved, load that base yourself and put the adapter on it: "
+                 "`PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), ADAPTER)`.")
+        config = model.get_base_model().config
+    else:
+        total, config = sum(p.numel() for p in model.parameters()), model.config
+        notes = ""
+    notes = f"Trained on blocks of {data_args.block_size} tokens. {notes}".strip()
+    data = data_args.train_files or data_args.dataset_name
+    figures = {"steps": steps} | {key: metrics[key] for key in CARD_FIGURES if key in metrics}
+    origin = run_origin(model_args, "fine-tuned by lex train", "trained from scratch by lex train")
+    return model_card(config, total, name, origin=origin,
+                      adapter=adapter, extra_tags=("peft", "lora") if adapter else (), notes=notes, figures=figures,
+                      figures_source=f"`lex train` on {data}: train_loss over the training steps, eval_loss and "
+                                     "perplexity on the held-out validation blocks.")
+
+
+def check_repo_id(repo_id: str) -> None:
+    """--push_to_hub's repository (--hub_model_id, else --output_dir's name) is a valid Hub id, checked before
+    training rather than after it."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as error:
+        raise DataError(f"--hub_model_id {repo_id!r} (the repository --push_to_hub uploads to): {error}") from None
+
+
+def upload(training_args: TrainingArguments) -> str:
+    """Upload the finished --output_dir to --hub_model_id (default: the folder's name, in the token's namespace),
+    as run_clm's --push_to_hub does at the end of training: one commit, checkpoint-* folders left out."""
+    from .export import push_to_hub
+
+    repo_id = training_args.hub_model_id or Path(training_args.output_dir).absolute().name
+    return push_to_hub(training_args.output_dir, repo_id, private=bool(training_args.hub_private_repo),
+                       token=training_args.hub_token, commit_message="End of training", exclude=UPLOAD_EXCLUDED)
+
+
 def perplexity(loss: float) -> float:
     try:
         return math.exp(loss)
@@ -420,6 +518,8 @@ def check_arguments(model_args: ModelArguments, data_args: DataArguments, traini
     if not 0 < data_args.validation_split_percentage < 100:
         raise DataError(f"--validation_split_percentage must be between 0 and 100, got "
                         f"{data_args.validation_split_percentage:g}")
+    if training_args.push_to_hub:
+        check_repo_id(training_args.hub_model_id or Path(training_args.output_dir).absolute().name)
     return resume_checkpoint(training_args, output_args or OutputArguments(), stages(training_args)[0])
 
 
@@ -439,9 +539,11 @@ def train(model_args: ModelArguments, data_args: DataArguments, training_args: T
     set_seed(training_args.seed)
     model, tokenizer, blocks = prepare(model_args, data_args, training_args, do_train, do_eval, checkpoint,
                                        peft_args)
+    trainer_args = copy.copy(training_args)
+    trainer_args.push_to_hub = False  # the finished folder is uploaded once, at the end (`upload`)
     trainer = Trainer(
         model=model,
-        args=training_args,
+        args=trainer_args,
         train_dataset=blocks["train"] if do_train else None,
         eval_dataset=blocks["validation"] if do_eval else None,
         processing_class=tokenizer,
@@ -450,6 +552,11 @@ def train(model_args: ModelArguments, data_args: DataArguments, training_args: T
     metrics = {}
     if do_train:
         result = trainer.train(resume_from_checkpoint=checkpoint)
+        if peft_args.use_peft and not peft_args.merge_adapter:
+            base, rebuilt = adapter_base(model_args, training_args.output_dir)
+            if rebuilt and trainer.is_world_process_zero():
+                save_base(model_args, data_args, tokenizer, training_args.seed, base)
+            trainer.model.peft_config[trainer.model.active_adapter].base_model_name_or_path = base
         save_full_model(trainer.model_wrapped, training_args.output_dir, tokenizer, peft_args.merge_adapter)
         metrics.update(result.metrics)
         trainer.log_metrics("train", result.metrics)
@@ -463,6 +570,13 @@ def train(model_args: ModelArguments, data_args: DataArguments, training_args: T
         metrics.update(evaluation)
         trainer.log_metrics("eval", evaluation)
         trainer.save_metrics("eval", evaluation)
+    if do_train and trainer.is_world_process_zero():
+        card = run_card(trainer.model, model_args, data_args, training_args, peft_args, metrics,
+                        trainer.state.global_step)
+        with atomic_files(training_args.output_dir) as staging:
+            write_card(staging, card)  # over the blank template peft's save_pretrained writes
+        if training_args.push_to_hub:
+            logger.warning(upload(training_args))
     if trainer.accelerator.num_processes > 1:
         # Every process reaches this line before any leaves, then the process group is destroyed: a process that
         # exits with its gloo/NCCL threads still alive may abort in their destructors (SIGABRT, "terminate

@@ -237,6 +237,7 @@ class OfflineHub(huggingface_hub.HfApi):
 
     def create_repo(self, repo_id, **kwargs):
         self.calls.append(("create_repo", repo_id, kwargs))
+        return huggingface_hub.RepoUrl(f"https://huggingface.co/{repo_id}")
 
     def list_repo_files(self, repo_id, **kwargs):
         self.calls.append(("list_repo_files", repo_id, kwargs))

@@ -17,7 +17,7 @@ def build_parser() -> LexArgumentParser:
     parser.add_argument("--dry_run", action="store_true", help="print what --push_to_hub would commit; no network")
     parser.add_argument("--results", type=Path,
                         help="results.json of `lex eval-length` for the card's table (default: MODEL_DIR's own)")
-    parser.add_argument("--license", default="mit", help="Hub license id for the card (default: mit)")
+    parser.add_argument("--license", help="Hub license id for the card (default: that of MODEL_DIR's card, else mit)")
     parser.add_argument("--max_shard_size", default="2GB", help="shard model.safetensors above this (default 2GB)")
     parser.add_argument("--force", action="store_true", help="replace an existing OUT_DIR")
     return parser
