@@ -828,7 +828,7 @@ def convert_hf(
     attention_memory_blocks: int = 0, attention_memory_block_size: int | None = None,
 ) -> LexConfig:
     """A Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Gemma 2 or Gemma 3 folder (safetensors) or .gguf file ->
-    a LEX folder; returns its LexConfig.
+    a LEX folder with its model card (README.md, the source as base_model); returns its LexConfig.
 
     At most one output shard (`max_shard_size`) of weights is held in memory. An existing OUT is refused unless
     `force`, and replaced only once the new folder is complete.

@@ -1,7 +1,8 @@
 """A Hub-ready folder of a LEX model, and its upload (`lex export MODEL_DIR OUT_DIR [--push_to_hub REPO_ID]`).
 
 The folder holds config.json (with `auto_map`), model.safetensors (sharded above --max_shard_size),
-generation_config.json, the tokenizer when the model has one, a model card (README.md) and the model code as
+generation_config.json, the tokenizer when the model has one, a model card (README.md, lex.model_card: the
+base_model and license of MODEL_DIR's own card are kept) and the model code as
 flat files (configuration_lex.py and every module of modeling_lex/) importing each other
 relatively, so that
 

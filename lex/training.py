@@ -9,6 +9,13 @@ final model is written by every rank together (`save_full_model`), whatever the 
 --output_dir holding checkpoint-* folders resumes from the last complete one (so a preempted job is resumed by
 running the same command again), and a non-empty one without checkpoints is refused unless
 --overwrite_output_dir. A distributed run ends by destroying its process group after a final barrier.
+
+The finished folder is ready for the Hub: a model card (lex.model_card: the source as base_model, its license,
+the reading settings, the run's figures), and for a LoRA adapter trained from a converted checkpoint or a new
+model, the model it was trained on saved beside it (OUT/base) and named by adapter_config.json, so that
+`AutoPeftModelForCausalLM.from_pretrained(OUT)` loads it offline. --push_to_hub (with --hub_model_id,
+--hub_token, --hub_private_repo) uploads that folder once, at the end of training, as run_clm's Trainer.push_to_hub
+does (checkpoint-* left out); the Trainer itself is never given the flag, so nothing is pushed while training.
 """
 
 import copy
@@ -31,11 +38,12 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     Trainer,
+    TrainerCallback,
     TrainingArguments,
     default_data_collator,
     set_seed,
 )
-from transformers.trainer_utils import get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 import modeling_lex  # noqa: F401  (registers the Auto classes)
 from configuration_lex import ATTENTION_MODES, SINK_POSITIONS, LexConfig
@@ -444,8 +452,21 @@ def run_card(model, model_args: ModelArguments, data_args: DataArguments, traini
     origin = run_origin(model_args, "fine-tuned by lex train", "trained from scratch by lex train")
     return model_card(config, total, name, origin=origin,
                       adapter=adapter, extra_tags=("peft", "lora") if adapter else (), notes=notes, figures=figures,
-                      figures_source=f"`lex train` on {data}: train_loss over the training steps, eval_loss and "
-                                     "perplexity on the held-out validation blocks.")
+                      figures_source=f"`lex train` on {data}, where measured: train_loss (the mean over the "
+                                     "training steps), eval_loss and perplexity (the held-out validation blocks).")
+
+
+class CheckpointCards(TrainerCallback):
+    """Gives each checkpoint-N folder the run's card so far (peft's save_pretrained writes its blank template
+    there); `card(model, steps)` builds it."""
+
+    def __init__(self, card):
+        self.card = card
+
+    def on_save(self, args, state, control, model=None, **kwargs):
+        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        if state.is_world_process_zero and folder.is_dir():
+            write_card(folder, self.card(model, state.global_step))
 
 
 def check_repo_id(repo_id: str) -> None:
@@ -539,6 +560,10 @@ def train(model_args: ModelArguments, data_args: DataArguments, training_args: T
     set_seed(training_args.seed)
     model, tokenizer, blocks = prepare(model_args, data_args, training_args, do_train, do_eval, checkpoint,
                                        peft_args)
+    adapter = peft_args.use_peft and not peft_args.merge_adapter
+    base, rebuilt = adapter_base(model_args, training_args.output_dir) if adapter else (None, False)
+    if adapter:  # named by the checkpoints' adapters as by the final one
+        model.peft_config[model.active_adapter].base_model_name_or_path = base
     trainer_args = copy.copy(training_args)
     trainer_args.push_to_hub = False  # the finished folder is uploaded once, at the end (`upload`)
     trainer = Trainer(
@@ -548,15 +573,14 @@ def train(model_args: ModelArguments, data_args: DataArguments, training_args: T
         eval_dataset=blocks["validation"] if do_eval else None,
         processing_class=tokenizer,
         data_collator=default_data_collator,
+        callbacks=[CheckpointCards(lambda trained, steps: run_card(trained, model_args, data_args, training_args,
+                                                                   peft_args, {}, steps))],
     )
     metrics = {}
     if do_train:
         result = trainer.train(resume_from_checkpoint=checkpoint)
-        if peft_args.use_peft and not peft_args.merge_adapter:
-            base, rebuilt = adapter_base(model_args, training_args.output_dir)
-            if rebuilt and trainer.is_world_process_zero():
-                save_base(model_args, data_args, tokenizer, training_args.seed, base)
-            trainer.model.peft_config[trainer.model.active_adapter].base_model_name_or_path = base
+        if rebuilt and trainer.is_world_process_zero():
+            save_base(model_args, data_args, tokenizer, training_args.seed, base)
         save_full_model(trainer.model_wrapped, training_args.output_dir, tokenizer, peft_args.merge_adapter)
         metrics.update(result.metrics)
         trainer.log_metrics("train", result.metrics)

@@ -104,8 +104,9 @@ def offline_logits(folder: Path, tokens: torch.Tensor, tmp_path: Path) -> torch.
     elsewhere.mkdir(exist_ok=True)
     torch.save(tokens, tmp_path / "tokens.pt")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, "-c", OFFLINE_LOAD, str(folder), str(tmp_path / "tokens.pt"),
-                    str(tmp_path / "logits.pt")], cwd=elsewhere, env=env, check=True, capture_output=True)
+    loaded = subprocess.run([sys.executable, "-c", OFFLINE_LOAD, str(folder), str(tmp_path / "tokens.pt"),
+                             str(tmp_path / "logits.pt")], cwd=elsewhere, env=env, capture_output=True, text=True)
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
     return torch.load(tmp_path / "logits.pt")
 
 
@@ -127,9 +128,9 @@ def test_lora_from_a_llama_folder_loads_offline_with_auto_peft(llama, corpus, tm
     assert lex(["train", "--output_dir", str(out), "--model_name_or_path", str(llama["folder"]), "--train_files",
                 f"{corpus}/*.txt", *BASE, *LORA, "--max_steps", "3", "--attention_mode", "blockwise",
                 "--attention_window", "16"]) == 0
+    torch.testing.assert_close(offline_logits(out, llama["tokens"], tmp_path), trained.logits, atol=1e-5, rtol=0)
     assert_adapter_card(out, str(llama["folder"]), "apache-2.0")
     assert "| attention mode | blockwise |" in (out / "README.md").read_text()
-    torch.testing.assert_close(offline_logits(out, llama["tokens"], tmp_path), trained.logits, atol=1e-5, rtol=0)
 
 
 def test_lora_from_a_gguf_names_its_file_and_license(llama, corpus, tmp_path, monkeypatch):
@@ -139,8 +140,8 @@ def test_lora_from_a_gguf_names_its_file_and_license(llama, corpus, tmp_path, mo
     trained = TrainedLogits(monkeypatch, llama["tokens"])
     assert lex(["train", "--output_dir", str(out), "--model_name_or_path", str(llama["gguf"]), "--train_files",
                 f"{corpus}/*.txt", *BASE, *LORA, "--max_steps", "3"]) == 0
-    assert_adapter_card(out, str(llama["gguf"].resolve()), None)
     torch.testing.assert_close(offline_logits(out, llama["tokens"], tmp_path), trained.logits, atol=1e-5, rtol=0)
+    assert_adapter_card(out, str(llama["gguf"].resolve()), None)
 
 
 def test_full_training_from_scratch_and_its_export_have_cards(corpus, tmp_path):
@@ -213,9 +214,11 @@ def test_push_to_hub_uploads_the_finished_folder(llama, corpus, tmp_path, monkey
     assert {"README.md", "adapter_config.json", "adapter_model.safetensors", "base/config.json",
             "base/model.safetensors", "base/README.md"} <= set(files)
     assert (out / "checkpoint-1").is_dir() and not [f for f in files if f.startswith("checkpoint-")]
+    assert card_of(out / "checkpoint-1").data.base_model == str(llama["folder"])  # not peft's blank template
     assert 'AutoPeftModelForCausalLM.from_pretrained("someone/lex-lora")' in (out / "README.md").read_text()
     assert lex(["train", "--output_dir", str(tmp_path / "bad"), "--train_files", f"{corpus}/*.txt",
                 "--config_overrides", TINY, *BASE, "--push_to_hub", "--hub_model_id", "not a repo"]) == 2
+    assert not (tmp_path / "bad").exists()  # refused before training
 
 
 @pytest.mark.slow
@@ -235,8 +238,7 @@ def test_lora_on_the_real_gguf_loads_offline_with_auto_peft(corpus, tmp_path, mo
     assert lex(["train", "--output_dir", str(out), "--model_name_or_path", str(gguf), "--train_files", str(text),
                 *BASE, "--learning_rate", "2e-3", "--use_peft", "--lora_dropout", "0", "--max_steps", "2",
                 "--do_train", "--attention_mode", "blockwise", "--attention_window", "1024"]) == 0
+    torch.testing.assert_close(offline_logits(out, tokens, tmp_path), trained.logits, atol=1e-4, rtol=0)
     card = card_of(out)
     assert (card.data.base_model, card.data.license) == (str(gguf.resolve()), "apache-2.0")
     assert "HuggingFaceTB" in card.text and "| attention window | 1024 tokens |" in card.text
-    logits = offline_logits(out, tokens, tmp_path)
-    torch.testing.assert_close(logits, trained.logits, atol=1e-4, rtol=0)

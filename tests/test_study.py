@@ -468,6 +468,23 @@ def test_trained_models_keep_use_cache(quick_runs):
 
 
 @pytest.mark.slow  # `lex demo` runs or a subprocess
+def test_trained_models_carry_model_cards(quick_runs):
+    """Each model folder's card parses with huggingface_hub, says it was trained from scratch (no base_model, never
+    a blank one) and reports that model's final train loss and its perplexities."""
+    from huggingface_hub import ModelCard
+
+    folder = quick_runs[1][0]
+    rows = study(folder)["rows"]
+    for variant in VARIANTS:
+        text = (folder / variant / "README.md").read_text()
+        card = ModelCard(text)
+        assert "[More Information Needed]" not in text and card.data.base_model is None
+        assert (card.data.library_name, card.data.pipeline_tag) == ("transformers", "text-generation")
+        assert "trained from scratch by `lex demo`" in text and "| final train loss |" in text
+        assert f"{next(r for r in rows if r['model'] == variant)['ppl']:.2f}" in text
+
+
+@pytest.mark.slow  # `lex demo` runs or a subprocess
 def test_plot_axes_are_plain_numbers(quick_runs):
     data = study(quick_runs[2][0])
     figure = perplexity_figure(data["rows"])

@@ -8,7 +8,8 @@ Model, data and tokenizer arguments follow examples/pytorch/language-modeling/ru
 TrainingArguments flag passes through (`lex train --help`), and a single JSON file may hold them all.
 Inputs are checked before anything is written to --output_dir. Run again into an --output_dir that holds
 checkpoint-* folders, the same command resumes from the last one; a non-empty --output_dir without
-checkpoints is refused unless --overwrite_output_dir.
+checkpoints is refused unless --overwrite_output_dir. The finished folder carries a model card (README.md);
+--push_to_hub [--hub_model_id ID] uploads it at the end, as run_clm does.
 """
 
 import argparse
