@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import re
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -460,7 +461,7 @@ class CheckpointCards(TrainerCallback):
     """Gives each checkpoint-N folder the run's card so far (peft's save_pretrained writes its blank template
     there); `card(model, steps)` builds it."""
 
-    def __init__(self, card):
+    def __init__(self, card: Callable[[torch.nn.Module, int], str]):
         self.card = card
 
     def on_save(self, args, state, control, model=None, **kwargs):

@@ -160,6 +160,26 @@ def test_full_training_from_scratch_and_its_export_have_cards(corpus, tmp_path):
     assert "trust_remote_code=True" in card_of(exported).text
 
 
+def test_lora_on_a_new_model_saves_its_initial_weights_as_the_base(corpus, tmp_path, monkeypatch):
+    """--use_peft without --model_name_or_path: the base is the new model's initial weights (rebuilt after the
+    same seed), and the adapter loads offline onto it; with --merge_adapter, a plain folder whose card has no base."""
+    tokens = torch.arange(1, 25)[None]
+    command = ["train", "--train_files", f"{corpus}/*.txt", "--config_overrides", TINY, "--vocab_size", "320", *BASE,
+               *LORA, "--lora_target_modules", "q_proj", "v_proj", "--max_steps", "2", "--block_size", "16"]
+    trained = TrainedLogits(monkeypatch, tokens)
+    out = tmp_path / "adapter"
+    assert lex([*command, "--output_dir", str(out)]) == 0
+    torch.testing.assert_close(offline_logits(out, tokens, tmp_path), trained.logits, atol=1e-5, rtol=0)
+    card = card_of(out)
+    assert card.data.base_model is None and card.data.library_name == "peft"
+    assert "initial weights of a model trained from scratch" in card_of(out / "base").text
+    merged = tmp_path / "merged"
+    assert lex([*command, "--output_dir", str(merged), "--merge_adapter"]) == 0
+    card = card_of(merged)
+    assert card.data.library_name == "transformers" and "lora" not in card.data.tags
+    assert not (merged / "base").exists()
+
+
 def test_convert_hf_cards_name_the_source(llama, tmp_path):
     """lex convert-hf of a folder (its card's license) and of a .gguf; an export of the conversion keeps both."""
     folder = tmp_path / "from-folder"
