@@ -19,6 +19,10 @@ from .report import markdown_table
 
 CARD_FILE = "README.md"
 PIPELINE_TAG = "text-generation"
+HUB_URL = "https://huggingface.co/"
+# GGUF keys that may name the Hub repository a file was converted from: llama.cpp's older key (a repo id), then
+# the URLs of its current metadata (general.source.*), read as a repo id where they point into the Hub.
+GGUF_SOURCE_KEYS = ("general.source.huggingface.repository", "general.source.repo_url", "general.source.url")
 
 
 @dataclass(frozen=True)
@@ -50,9 +54,8 @@ def source_origin(source: str | Path, how: str) -> Origin:
 
 def gguf_origin(path: str | Path, how: str) -> Origin:
     """The origin of a .gguf file's weights, from its metadata (GGUF's general.* keys): base_model is the Hub
-    repository it was converted from (general.source.huggingface.repository) where it records one, else the
-    file's absolute path; the license is general.license; the sentence names the model (general.name,
-    general.organization)."""
+    repository it was converted from (GGUF_SOURCE_KEYS) where it records one, else the file's absolute path; the
+    license is general.license; the sentence names the model (general.name, general.organization)."""
     from gguf import GGUFReader
 
     path = Path(path).resolve()
@@ -62,7 +65,9 @@ def gguf_origin(path: str | Path, how: str) -> Origin:
         value = fields[key].contents() if key in fields else None
         return value if isinstance(value, str) and value.strip() else None
 
-    repository = text("general.source.huggingface.repository")
+    sources = [text(key) for key in GGUF_SOURCE_KEYS]
+    repository = next((source.removeprefix(HUB_URL).strip("/") for source in sources
+                       if source and (source.startswith(HUB_URL) or "://" not in source)), None)
     name = " by ".join(filter(None, (text("general.name"), text("general.organization"))))
     named = f"{name}, " if name else ""
     return Origin(repository or str(path), text("general.license"), f"{how} from {named}the GGUF file `{path}`"

@@ -199,6 +199,30 @@ def test_convert_hf_cards_name_the_source(llama, tmp_path):
     assert card_of(from_gguf).data.base_model == str(llama["gguf"].resolve())
 
 
+@pytest.mark.parametrize("source", [None, "https://huggingface.co/someone/tiny-llama", "https://example.com/x"])
+def test_a_gguf_card_reads_its_metadata(source, tmp_path):
+    """general.license, general.name and organization, and a Hub repository (general.source.repo_url) when the file
+    names one; otherwise its own path (a header-only file: the metadata is all that is read)."""
+    gguf = pytest.importorskip("gguf")
+    from lex.model_card import gguf_origin
+
+    path = tmp_path / "meta.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_name("Tiny Llama")
+    writer.add_organization("Someone")
+    writer.add_license("apache-2.0")
+    if source:
+        writer.add_source_repo_url(source)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    origin = gguf_origin(path, "converted")
+    hub = source and source.startswith("https://huggingface.co/")
+    assert origin.base_model == ("someone/tiny-llama" if hub else str(path.resolve()))
+    assert origin.license == "apache-2.0" and "Tiny Llama by Someone" in origin.description
+
+
 class OfflineHub(huggingface_hub.HfApi):
     """HfApi with its network calls recorded, and the files of each commit read, instead of sent."""
 
