@@ -35,7 +35,7 @@ def test_a_newcomer_follows_the_readme(tmp_path):
     (line,) = install.strip().splitlines()
     assert line.startswith("python3 -m venv .venv && ") and line.endswith(" && .venv/bin/lex demo")
     line = line.removesuffix(" && .venv/bin/lex demo")
-    line = line.replace("python3 -m venv .venv", f"{sys.executable} -m venv {venv}").replace(".venv/", f"{venv}/")
+    line = line.replace(".venv/", f"{venv}/").replace("python3 -m venv .venv", f"{sys.executable} -m venv {venv}")
     assert "pip install -q torch==2.13.0" in line and "pip install -q -e ." in line
     env = lex_environment(venv / "bin")
     env.pop("PYTHONHOME", None)

@@ -125,6 +125,10 @@ def test_every_relative_link_points_to_a_file_or_heading_that_exists():
         path, _, fragment = target.partition("#")
         if path:
             assert (README.parent / path).exists(), f"README links to {target}, which does not exist"
+            if fragment and path.endswith(".md"):
+                page = re.sub(r"^```.*?^```", "", (README.parent / path).read_text(encoding="utf-8"), flags=re.S | re.M)
+                headings = {github_anchor(h.replace("`", "")) for h in re.findall(r"^#+ (.+)$", page, flags=re.M)}
+                assert fragment in headings, f"README links to {target}: no such heading"
         elif fragment:
             assert fragment in anchors, f"README links to #{fragment}, no such heading"
     assert "docs/results.md" in links
