@@ -10,13 +10,16 @@ what the weights came from (a Hub id, else the source's absolute local path); a 
 no base and its card leaves the field out, as transformers' Trainer does for run_clm trained from scratch.
 """
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
 from huggingface_hub import ModelCard, ModelCardData
 
 from .report import markdown_table
 
+logger = logging.getLogger(__name__)
 CARD_FILE = "README.md"
 PIPELINE_TAG = "text-generation"
 HUB_URL = "https://huggingface.co/"
@@ -35,9 +38,17 @@ class Origin:
 
 
 def card_metadata(folder: str | Path) -> dict:
-    """The front matter of the model card in `folder` (empty when it has none): what a card carries over."""
+    """The front matter of the model card in `folder`, what a new card carries over: empty when it has none, or
+    one whose YAML does not parse (a warning names it: it only lends a license or a base)."""
     path = Path(folder) / CARD_FILE
-    return ModelCard.load(path).data.to_dict() if path.is_file() else {}
+    if not path.is_file():
+        return {}
+    try:
+        return ModelCard.load(path).data.to_dict()
+    except (ValueError, yaml.YAMLError) as error:  # a malformed field, or YAML that does not parse
+        logger.warning("%s: its front matter is not a model card's (%s); its metadata is not carried over", path,
+                       str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__)
+        return {}
 
 
 def source_origin(source: str | Path, how: str) -> Origin:

@@ -199,6 +199,19 @@ def test_convert_hf_cards_name_the_source(llama, tmp_path):
     assert card_of(from_gguf).data.base_model == str(llama["gguf"].resolve())
 
 
+def test_a_source_card_that_does_not_parse_lends_nothing(llama, tmp_path, caplog):
+    """A source folder whose README.md front matter is broken YAML still converts; its card is not read."""
+    import shutil
+
+    source = tmp_path / "src"
+    shutil.copytree(llama["folder"], source)
+    (source / "README.md").write_text("---\nlicense: [unclosed\n---\n# x\n")
+    assert lex(["convert-hf", str(source), str(tmp_path / "out")]) == 0
+    card = card_of(tmp_path / "out")
+    assert (card.data.base_model, card.data.license) == (str(source), None)
+    assert "its metadata is not carried over" in caplog.text
+
+
 @pytest.mark.parametrize("source", [None, "https://huggingface.co/someone/tiny-llama", "https://example.com/x"])
 def test_a_gguf_card_reads_its_metadata(source, tmp_path):
     """general.license, general.name and organization, and a Hub repository (general.source.repo_url) when the file
