@@ -150,10 +150,12 @@ def attention_text(config) -> str:
 def model_card(config, parameters: int, name: str, *, origin: Origin = Origin(), license_name: str | None = None,
                tokenizer: bool = True, remote_code: bool = False, adapter: bool = False,
                extra_tags: tuple[str, ...] = (), notes: str = "", figures: dict[str, float] | None = None,
-               figures_source: str = "", results: str | None = None) -> str:
+               figures_source: str = "", results: str | None = None, results_source: str = "`lex eval-length`"
+               ) -> str:
     """README.md for the model (or adapter) of `config` with `parameters` weights, loaded as `name` (a folder or
     Hub id; `load_snippet`): its metadata (`license_name` over the origin's), settings, loading, and what the run
-    measured (`figures`, described by `figures_source`; `results`, a perplexity-by-length table)."""
+    measured (`figures`, described by `figures_source`; `results`, a perplexity-by-length table, measured by
+    `results_source`)."""
     lex = config.model_type == "lex"
     load = load_snippet(name, lex=lex, remote_code=remote_code, adapter=adapter, tokenizer=tokenizer)
     tags = (["lex", config.position_embedding_type, "length-extrapolation"] if lex else [config.model_type])
@@ -184,7 +186,7 @@ def model_card(config, parameters: int, name: str, *, origin: Origin = Origin(),
     if results:
         lines += ["", "## Perplexity by evaluation length", "",
                   f"Trained on {config.max_position_embeddings}-token sequences; evaluated at the lengths below "
-                  "(`lex eval-length`).", "", results]
+                  f"({results_source}).", "", results]
     return "\n".join(lines) + "\n"
 
 

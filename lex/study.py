@@ -296,7 +296,7 @@ def study_in(work: Path, variants: list[str], settings: dict, lengths: list[int]
             origin=Origin(description=f"trained from scratch by `lex demo` ({corpus or 'the King James Bible'})"),
             figures={"steps": steps, "final train loss": losses[-1]},
             figures_source=f"`lex demo`: {steps} steps of batches of {settings['batch']} blocks of {length} tokens.",
-            results=length_table(scored)))
+            results=length_table(scored), results_source="`lex demo`, as report.md's tables"))
         model = load_model(str(folder), None, device)  # resolution reads a LEX model's scores: convert the llama
         model = model if model.config.model_type == "lex" else lex_from_hf(model)
         row, curves[variant] = resolution_rows(model, tokenizer, variant, eval_texts)
