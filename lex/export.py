@@ -33,6 +33,7 @@ from modeling_lex import LexForCausalLM
 
 from .model_card import CARD_FILE, Origin, card_metadata, model_card
 from .models import has_tokenizer, model_config, saved_for_generation
+from .quantization import quantized_kind
 from .report import length_table
 
 AUTO_MAP = {
@@ -117,6 +118,16 @@ def _is_within(path: Path, folder: Path) -> bool:
     return path == folder or folder in path.parents
 
 
+def refuse_quantized(config, name: str) -> None:
+    """An ExportError for quantized weights: an exported folder loads by remote code without this package, and
+    torchao's CPU layouts are laid out by lex.quantization, which the folder's code does not carry."""
+    kind = quantized_kind(config)
+    if kind is not None:
+        raise ExportError(f"{name} holds {kind} weights (quantization_config, torchao): lex export writes unquantized "
+                          "folders, since its remote code loads without this package; export the unquantized model "
+                          "and quantize at load time (from_pretrained(..., quantization_config=TorchAoConfig(...)))")
+
+
 def export(model, out_dir: str | Path, *, tokenizer=None, results: str | Path | None = None,
            license_name: str | None = None, max_shard_size: str | int = "2GB", repo_name: str | None = None,
            force: bool = False) -> Path:
@@ -138,9 +149,10 @@ def export(model, out_dir: str | Path, *, tokenizer=None, results: str | Path | 
         model_dir = Path(model).resolve()
         if _is_within(model_dir, out_dir):
             raise ExportError(f"OUT_DIR {out_dir} would replace the model folder {model_dir}; choose another")
-        model_type = model_config(model_dir, "MODEL_DIR").model_type
-        if model_type != "lex":
-            raise ExportError(f"{model_dir} holds a {model_type!r} model; lex export writes LEX models only")
+        config = model_config(model_dir, "MODEL_DIR")
+        if config.model_type != "lex":
+            raise ExportError(f"{model_dir} holds a {config.model_type!r} model; lex export writes LEX models only")
+        refuse_quantized(config, str(model_dir))
         model = LexForCausalLM.from_pretrained(model_dir)
         if tokenizer is None and has_tokenizer(model_dir):
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -148,6 +160,8 @@ def export(model, out_dir: str | Path, *, tokenizer=None, results: str | Path | 
             results = model_dir / "results.json"
     elif model.config.model_type != "lex":
         raise ExportError(f"the model is a {model.config.model_type!r} model; lex export writes LEX models only")
+    else:
+        refuse_quantized(model.config, "the model")
     table = length_table(load_results(Path(results))) if results is not None else None
     sources = {f"{flat}.py": flat_source(module) for module, flat in FLAT_MODULES.items()}
     parameters = sum(p.numel() for p in model.parameters())

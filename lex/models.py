@@ -13,6 +13,7 @@ checkpoint (k > 0 asks for the conversion). It applies to blockwise and sliding 
 refused, naming attention_memory_blocks.
 """
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,6 +28,8 @@ from convert.checkpoint import ConversionError
 from convert.hf import SOURCE_TYPES, gguf_config, gguf_file, gguf_tokenizer, lex_from_hf, load_gguf
 
 from .data import DataError
+from .quantization import QuantizationError, for_cpu, quantized_kind
+from .quantization import quantize as quantize_weights
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = get_args(Dtype)
@@ -98,12 +101,15 @@ def attention_modes(config, modes: list[str]) -> tuple[list[str], str | None]:
 
 
 def load_model(
-    path: str, attention_mode: str | None = None, device: str = "cpu", dtype: Dtype = "float32",
+    path: str, attention_mode: str | None = None, device: str = "cpu", dtype: Dtype | None = None,
     attention_window: int | None = None, attention_sinks: int | None = None,
     attention_sink_positions: str | None = None, attention_memory_blocks: int | None = None,
-    attention_memory_block_size: int | None = None,
+    attention_memory_block_size: int | None = None, quantize: str | None = None,
 ):
-    """A causal LM in eval mode on `device`. For a LEX folder the arguments override its config (None: the
+    """A causal LM in eval mode on `device`, with `quantize` weights (lex.quantization: "int8" or "int4",
+    converted in memory) where asked; a folder saved quantized loads so, in the CPU kernels' layouts. `dtype`
+    (None: float32, or bfloat16 for quantized weights, which the CPU kernels read fastest) is the weights' and
+    the activations' dtype. For a LEX folder the arguments override its config (None: the
     folder's). A Llama, Mistral or Qwen2 folder loads as published unless a windowed mode, a window or sinks
     (or a block memory) are asked for: then it is converted in memory (`convert.hf.lex_from_hf`, no second copy of the weights; its
     sinks within the cache unless `attention_sink_positions` says otherwise). Another causal LM loads as
@@ -113,12 +119,14 @@ def load_model(
                      attention_memory_blocks=attention_memory_blocks,
                      attention_memory_block_size=attention_memory_block_size)
     gguf = source_gguf(path)
+    stored = None if gguf is not None else quantized_kind(model_config(path, "MODEL"))
+    dtype = dtype or ("bfloat16" if quantize or stored else "float32")
     if gguf is not None:
         try:
             model = load_gguf(gguf, getattr(torch, dtype))
         except ConversionError as error:
             raise DataError(f"MODEL {error}") from None
-        return with_attention(model.to(device).eval(), **attention, name=str(path))
+        return quantized(with_attention(model.to(device).eval(), **attention, name=str(path)), quantize, dtype)
     config = model_config(path, "MODEL")
     if config.model_type == "lex":
         overrides = {k: v for k, v in attention.items() if v is not None}
@@ -127,10 +135,26 @@ def load_model(
             config.validate()
         except (StrictDataclassError, ValueError) as error:
             raise DataError(" ".join(str(error).split())) from None
+        if stored is not None and quantize not in (None, stored):
+            raise DataError(f"--quantize {quantize}: MODEL {path} is saved with {stored} weights (allowed: "
+                            f"{stored}, or no --quantize)")
         model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=getattr(torch, dtype))
-        return model.to(device).eval()
+        if stored is not None:
+            return for_cpu(model.to(device).eval())
+        return quantized(model.to(device).eval(), quantize, dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
-    return with_attention(model, **attention, name=str(path))
+    return quantized(with_attention(model, **attention, name=str(path)), quantize, dtype)
+
+
+def quantized(model, kind: str | None, dtype: Dtype | None = None):
+    """`model` with `kind` weights (lex.quantization) computing in `dtype` (None: bfloat16), or as it is for
+    None."""
+    if kind is None:
+        return model
+    try:
+        return quantize_weights(model, kind, getattr(torch, dtype or "bfloat16"))
+    except QuantizationError as error:
+        raise DataError(f"--quantize {kind}: {error}") from None
 
 
 def with_attention(model, attention_mode: str | None = None, attention_window: int | None = None,
@@ -193,9 +217,9 @@ def load_for_training(
 
 
 def attention_variants(
-    path: str, modes: list[str], sinks: list[int], device: str = "cpu", dtype: Dtype = "float32",
+    path: str, modes: list[str], sinks: list[int], device: str = "cpu", dtype: Dtype | None = None,
     attention_window: int | None = None, sink_positions: list[str] | None = None,
-    memory_blocks: list[int] | None = None, memory_block_size: int | None = None,
+    memory_blocks: list[int] | None = None, memory_block_size: int | None = None, quantize: str | None = None,
 ) -> Iterator[tuple[dict, torch.nn.Module]]:
     """(labels, model) for each mode of `modes` with each of `sinks` and, where a reading has sinks, each rule of
     `sink_positions` (None: the model's own), and each of `memory_blocks` (None: the model's own memory, unlabelled)
@@ -204,7 +228,8 @@ def attention_variants(
     `memory_blocks`, attention_memory_blocks (and attention_memory_block_size, the model's, where it is > 0). Full
     attention comes once (sinks change nothing there; without memory), and a non-LEX, non-Llama-family model in
     full attention only (`attention_modes` says so). A Llama-family folder (or .gguf file) is read once and
-    converted per reading."""
+    converted per reading; with `quantize`, each reading's model gets its own quantized copy of the weights
+    (labelled `quantize`)."""
     config = model_config(path, "MODEL", gguf=True)
     modes, _ = attention_modes(config, modes)
     readings = []
@@ -222,11 +247,15 @@ def attention_variants(
         if source is None:  # (full attention: without the folder's memory, if it has one)
             memory = {"attention_memory_blocks": 0} if labels["attention_mode"] == "full" else {}
             model = load_model(path, device=device, dtype=dtype, attention_window=attention_window,
-                               attention_memory_block_size=size, **memory | labels)
+                               attention_memory_block_size=size, quantize=quantize, **memory | labels)
         else:
             window = None if labels["attention_mode"] == "full" else attention_window
             model = with_attention(source, attention_window=window, **labels, name=str(path),
                                    attention_memory_block_size=size)
+            if quantize is not None:  # (the reading shares the source's tensors: quantize a copy)
+                model = quantized(copy.deepcopy(model), quantize, dtype)
+        if quantize is not None:
+            labels = {**labels, "quantize": quantize}
         memory = getattr(model.config, "attention_memory_blocks", 0)
         if memory_blocks is not None and memory:
             labels = {**labels, "attention_memory_block_size": model.config.attention_memory_block_size}

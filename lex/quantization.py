@@ -1,0 +1,196 @@
+"""Weight-only quantization for CPU decoding: torchao quantizes the weights, torch's packed CPU kernels multiply.
+
+Decoding one token reads every weight once, so on a CPU its speed is the width of the weights. Two widths
+(`QUANTIZATIONS`), each in two forms, the one a folder stores and the one a CPU multiplies:
+
+- int8: torchao's `Int8WeightOnlyConfig` (symmetric, one scale per output row), stored as torchao's `Int8Tensor`.
+  Its eager matmul converts the whole weight on every call, so `for_cpu` swaps each such Linear for an
+  `Int8Linear` that calls torch's fused `torch._weight_int8pack_mm` on the same int8 values and scales.
+- int4: torchao's `IntxWeightOnlyConfig` (int4, asymmetric, groups of `INT4_GROUP_SIZE` input channels), stored as
+  torchao's `IntxUnpackedToInt8Tensor`; `for_cpu` repacks each weight into torchao's CPU layout
+  (`PrototypeInt4WeightOnlyConfig`, `Int4OpaqueTensor`, multiplied by `aten._weight_int4pack_mm_for_cpu`), which
+  torchao cannot write to safetensors. Repacking re-derives each group's scale and zero from its 16 levels.
+
+Every Linear is quantized, the LM head included: a tied head is untied first, so the embedding keeps its
+activations-dtype rows for the lookup and decoding reads the head's packed copy. The activations (and with them
+the caches and the block memory's store) are bfloat16 unless asked otherwise: the packed kernels are fastest on
+bfloat16 and torch's int4 CPU kernel is an order of magnitude slower on float32 (benchmarks/llamacpp_peer.py).
+
+In memory (`quantize`) and from a saved folder (`save_quantized`, then `from_pretrained` and `for_cpu`) a model goes
+through the same steps on the same bfloat16 weights, so both give the same logits. A folder is written through
+transformers' documented path (`TorchAoConfig` at `from_pretrained`, then `save_pretrained`: safetensors, no pickle)
+and loads quantized with a plain `AutoModelForCausalLM.from_pretrained(folder)`.
+
+This module owns the coupling with torchao; it targets torchao 0.18 (the `cpu-quant` extra) with transformers
+5.23-5.24.
+"""
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Literal, get_args
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, TorchAoConfig
+
+from lex_base.errors import LexError
+from lex_base.staging import atomic_directory
+
+Quantization = Literal["int8", "int4"]
+QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
+INT4_GROUP_SIZE = 32  # GGUF's Q4_0/Q4_1 group: a Q4_1 checkpoint's 16 levels a group survive requantization
+INT4_CPU_ROWS = 16  # the tinygemm CPU layout packs output rows by 16; other weights keep torchao's eager matmul
+
+
+MODEL_FILES = ("config.json", "generation_config.json")  # with model*.safetensors: what save_pretrained writes
+
+
+class QuantizationError(LexError, ValueError):
+    """A quantization that cannot be done; the message names the field and the allowed values."""
+
+
+def torchao():
+    """torchao's quantization module, or a QuantizationError saying how to install it."""
+    try:
+        import torchao.quantization
+    except ImportError as error:
+        raise QuantizationError(f"quantized weights need torchao ({error}): pip install -e \".[cpu-quant]\"") from None
+    return torchao.quantization
+
+
+def weight_config(kind: str):
+    """torchao's config for the stored form of `kind`."""
+    quantization = torchao()
+    if kind == "int8":
+        return quantization.Int8WeightOnlyConfig()
+    if kind == "int4":
+        return quantization.IntxWeightOnlyConfig(weight_dtype=torch.int4,
+                                                 granularity=quantization.PerGroup(INT4_GROUP_SIZE),
+                                                 mapping_type=quantization.MappingType.ASYMMETRIC)
+    raise QuantizationError(f"quantize={kind!r}: allowed values are {', '.join(QUANTIZATIONS)}")
+
+
+def quantization_config(kind: str) -> TorchAoConfig:
+    """The `quantization_config` of `kind` for `from_pretrained`: every Linear, the LM head included (the
+    input embedding stays unquantized)."""
+    return TorchAoConfig(weight_config(kind), include_input_output_embeddings=True,
+                         modules_to_not_convert=["model.embed_tokens"])
+
+
+def untie(model: nn.Module) -> nn.Module:
+    """`model` with its LM head holding its own copy of a tied embedding, so that the head can be quantized
+    while the embedding's lookup keeps its rows."""
+    head = model.get_output_embeddings()
+    if head is not None and head.weight is model.get_input_embeddings().weight:
+        head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+    model.config.tie_word_embeddings = False
+    if hasattr(model.config, "get_text_config"):
+        model.config.get_text_config().tie_word_embeddings = False
+    return model
+
+
+def check_supported(model: nn.Module, kind: str) -> None:
+    """Refuse, naming the layer, a Linear whose input width int4's groups do not divide."""
+    weight_config(kind)
+    if kind != "int4":
+        return
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and module.in_features % INT4_GROUP_SIZE:
+            raise QuantizationError(f"quantize='int4': {name} has {module.in_features} input features, not a "
+                                    f"multiple of the int4 group size {INT4_GROUP_SIZE} (use quantize='int8')")
+
+
+def quantize(model: nn.Module, kind: str, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """`model` (a causal LM, in eval mode) with `kind` weights in place and `dtype` activations, ready for CPU
+    decoding: what `from_pretrained` of a `save_quantized` folder followed by `for_cpu` gives."""
+    check_supported(model, kind)
+    untie(model.to(dtype))
+    embedding = model.get_input_embeddings()
+    torchao().quantize_(model, weight_config(kind),
+                        filter_fn=lambda module, name: isinstance(module, nn.Linear) and module is not embedding)
+    model.config.quantization_config = quantization_config(kind)
+    return for_cpu(model)
+
+
+class Int8Linear(nn.Module):
+    """A Linear of int8 weights with one scale per output row, multiplied by torch's fused CPU kernel
+    (`torch._weight_int8pack_mm`) without widening the weight."""
+
+    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = qdata.shape
+        self.register_buffer("qdata", qdata.detach().clone(memory_format=torch.contiguous_format))
+        self.register_buffer("scale", scale.reshape(-1).contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        y = torch._weight_int8pack_mm(flat, self.qdata, self.scale.to(x.dtype))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per row"
+
+
+def for_cpu(model: nn.Module) -> nn.Module:
+    """`model` with its stored quantized weights (see the module docstring) in the layouts the CPU kernels read:
+    int8 Linears swapped for `Int8Linear`, int4 weights repacked for the tinygemm CPU kernel (those with a
+    multiple of `INT4_CPU_ROWS` output rows; others keep torchao's dequantizing matmul). Leaves other weights, and
+    weights already in a CPU layout, as they are."""
+    quantization = torchao()
+    from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
+    from torchao.quantization.quantize_.workflows import Int8Tensor, IntxUnpackedToInt8Tensor
+
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, nn.Linear):
+                continue
+            weight = child.weight
+            if isinstance(weight, Int8Tensor):
+                setattr(parent, name, Int8Linear(weight.qdata, weight.scale, child.bias))
+            elif isinstance(weight, IntxUnpackedToInt8Tensor) and child.out_features % INT4_CPU_ROWS == 0:
+                child.weight = nn.Parameter(weight.dequantize(), requires_grad=False)
+                quantization.quantize_(child, PrototypeInt4WeightOnlyConfig(group_size=INT4_GROUP_SIZE))
+    return model
+
+
+def quantized_kind(config) -> str | None:
+    """The kind of a config's torchao `quantization_config` written by this module (None: not quantized)."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is None:
+        return None
+    quant_type = quantization.get("quant_type") if isinstance(quantization, dict) else quantization.quant_type
+    name = quant_type.get("default", quant_type).get("_type") if isinstance(quant_type, dict) else type(quant_type).__name__
+    return {"Int8WeightOnlyConfig": "int8", "IntxWeightOnlyConfig": "int4"}.get(name, name)
+
+
+def save_quantized(model: nn.Module, out_dir: str | Path, kind: str, dtype: torch.dtype = torch.bfloat16,
+                   force: bool = False, beside: str | Path | None = None) -> Path:
+    """Write `model` (unquantized) to `out_dir` as a folder that `from_pretrained` loads with `kind` weights and
+    `dtype` activations: untied and cast, saved to a scratch folder, quantized by `from_pretrained` with
+    `quantization_config(kind)` and saved again, with the files of folder `beside` (a tokenizer, a model card)
+    that are not weights or configs. `out_dir` appears only when complete (an existing one is refused unless
+    `force`)."""
+    check_supported(model, kind)
+    out_dir = Path(out_dir)
+    with atomic_directory(out_dir, force) as staging:
+        with tempfile.TemporaryDirectory(dir=staging.parent, prefix=f".{out_dir.name}.unquantized-") as scratch:
+            untie(model.to(dtype)).save_pretrained(scratch)
+            quantized = AutoModelForCausalLM.from_pretrained(scratch, quantization_config=quantization_config(kind),
+                                                             dtype=dtype)
+            quantized.save_pretrained(staging)
+        for file in sorted(Path(beside).iterdir()) if beside is not None else ():
+            if file.is_file() and file.name not in MODEL_FILES and not file.name.startswith("model"):
+                shutil.copy2(file, staging / file.name)
+    return out_dir
+
+
+def quantize_folder(src_dir: str | Path, out_dir: str | Path, kind: str, dtype: torch.dtype = torch.bfloat16,
+                    force: bool = False) -> Path:
+    """The unquantized model folder `src_dir` -> a folder of `kind` weights (`save_quantized`), its tokenizer and
+    card carried over."""
+    model = AutoModelForCausalLM.from_pretrained(src_dir, dtype=dtype).eval()
+    return save_quantized(model, out_dir, kind, dtype, force, beside=src_dir)
