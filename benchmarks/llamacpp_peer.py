@@ -66,7 +66,7 @@ class LlamaCppReader:
 
     def decode(self, new: int) -> float:
         stamps = []
-        for token in self.llm.generate(self.tokens, top_k=1, temp=0.0, reset=False):
+        for token in self.llm.generate(self.tokens, top_k=1, temp=0.0):  # (its prefix is reused, not re-read)
             stamps.append(time.perf_counter())
             self.tokens.append(token)
             if len(stamps) == new + 1:

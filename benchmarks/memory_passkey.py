@@ -19,11 +19,12 @@ keys and depth.
 
     python benchmarks/memory_passkey.py [--lengths 8192,32768,131072] [--depths 0.1,0.5,0.9] [--keys 3]
         [--forms repeated,natural] [--cells natural:0.5,natural:0.9] [--readings full,window,memory,near]
-        [--memory_blocks 64] [--memory_block_size 16] [--device cuda]
+        [--memory_blocks 64] [--memory_block_size 16] [--quantize int4] [--device cuda]
         [--output memory_passkey.json]
 """
 
 import argparse
+import copy
 import random
 import sys
 import time
@@ -34,7 +35,8 @@ import torch
 from common import ROOT, peak_rss_mb, real_checkpoint, write_output
 
 from convert.hf import lex_from_hf
-from lex.models import load_model, load_tokenizer
+from lex.models import load_model, load_tokenizer, quantized
+from lex.quantization import QUANTIZATIONS
 from lex.passkey import FILLER, QUESTION
 from modeling_lex import LexCache
 
@@ -108,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="of full, window, memory and near (full attention at --full_length on each prompt's "
                         "key surroundings and end, at every length)")
     parser.add_argument("--memory_directory", default=None, help="keep the block memory memory-mapped there")
+    parser.add_argument("--quantize", choices=QUANTIZATIONS,
+                        help="add the readings window+KIND and memory+KIND: the same on KIND weights")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--output", type=Path, default=None)
@@ -120,6 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     memory.config.attention_memory_blocks = args.memory_blocks
     memory.config.attention_memory_block_size = args.memory_block_size
     models = {"full": published, "window": window, "memory": memory, "near": published}
+    if args.quantize:  # the windowed readings again on quantized copies of the weights (lex.quantization)
+        models |= {f"{name}+{args.quantize}": quantized(copy.deepcopy(models[name]), args.quantize)
+                   for name in ("window", "memory")}
+    unknown = sorted(set(args.readings.split(",")) - models.keys())
+    if unknown:
+        parser.error(f"--readings {','.join(unknown)}: allowed values are {','.join(models)}")
     source = args.filler_text
     text = natural_text(source) if source.is_dir() else source.read_text(encoding="utf-8")
     natural = tokenizer(text, add_special_tokens=False).input_ids
@@ -163,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nagainst full attention at {args.full_length} on the same keys (recalled / full's"
               f"{' / near' if near else ''})")
         for row in rows:
-            if row["reading"] in ("window", "memory"):
+            if row["reading"] not in ("full", "near"):
                 reference = full.get((row["form"], row["depth"]))
                 local = near.get((row["form"], row["length"], row["depth"]))
                 row["full_recalled"], row["near_recalled"] = reference, local

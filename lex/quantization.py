@@ -32,6 +32,7 @@ from typing import Literal, get_args
 
 import torch
 from torch import nn
+from huggingface_hub import ModelCard
 from transformers import AutoModelForCausalLM, TorchAoConfig
 
 from lex_base.errors import LexError
@@ -191,6 +192,24 @@ def save_quantized(model: nn.Module, out_dir: str | Path, kind: str, dtype: torc
 def quantize_folder(src_dir: str | Path, out_dir: str | Path, kind: str, dtype: torch.dtype = torch.bfloat16,
                     force: bool = False) -> Path:
     """The unquantized model folder `src_dir` -> a folder of `kind` weights (`save_quantized`), its tokenizer and
-    card carried over."""
+    model card carried over, the card saying how the weights are stored and read."""
+    src_dir = Path(src_dir)
+    card = src_dir / "README.md"
+    if card.is_file():
+        card.write_text(quantized_card(card.read_text(encoding="utf-8"), kind, dtype), encoding="utf-8")
     model = AutoModelForCausalLM.from_pretrained(src_dir, dtype=dtype).eval()
     return save_quantized(model, out_dir, kind, dtype, force, beside=src_dir)
+
+
+def quantized_card(text: str, kind: str, dtype: torch.dtype) -> str:
+    """A model card (README.md) with the tags and the section of `kind` weights added."""
+    card = ModelCard(text)
+    card.data.tags = [*(card.data.tags or []), "torchao", kind]
+    stored = {"int8": "torchao's `Int8WeightOnlyConfig` (int8, one scale per output row)",
+              "int4": f"torchao's `IntxWeightOnlyConfig` (int4, asymmetric, groups of {INT4_GROUP_SIZE})"}[kind]
+    card.text += (f"\n## Quantized weights\n\nEvery Linear, the LM head included, holds {kind} weights stored as "
+                  f"{stored}; the embedding and the norms are {str(dtype).removeprefix('torch.')}, and so are the "
+                  "activations. `from_pretrained` loads the folder quantized (it needs `torchao`); "
+                  "`lex.quantization.for_cpu(model)` then lays the weights out for torch's packed CPU kernels, as "
+                  "`lex generate` and `lex eval-length` do.\n")
+    return str(card)

