@@ -687,11 +687,15 @@ def gguf_tokenizer(path: Path):
         raise ConversionError(f"{path}: cannot load its tokenizer: {str(error).strip().splitlines()[0]}") from None
 
 
+CardWriter = Callable[[Path, LexConfig, Path, Path], None]  # (staged folder, its config, source, OUT)
+
+
 def convert_gguf(path: Path, out_dir: Path, attention_mode: str | None, attention_window: int | None,
                  attention_sinks: int, attention_sink_positions: str, position_embedding_type: str,
                  dtype: str | None, force: bool, max_shard_size: int | str, attention_memory_blocks: int = 0,
-                 attention_memory_block_size: int | None = None) -> LexConfig:
-    """A .gguf file -> a LEX folder with its tokenizer: dequantized in memory, converted (`lex_from_hf`), saved."""
+                 attention_memory_block_size: int | None = None, card: CardWriter | None = None) -> LexConfig:
+    """A .gguf file -> a LEX folder with its tokenizer: dequantized in memory, converted (`lex_from_hf`), saved,
+    with the model card `card` writes."""
     torch_dtype = dtype_named(dtype)
     check_gguf(path)
     with atomic_directory(out_dir, force) as staging:
@@ -702,7 +706,8 @@ def convert_gguf(path: Path, out_dir: Path, attention_mode: str | None, attentio
             lex.config.dtype = torch_dtype
         lex.save_pretrained(staging, max_shard_size=max_shard_size)
         gguf_tokenizer(path).save_pretrained(staging)
-        write_conversion_card(staging, lex.config, path, out_dir)
+        if card is not None:
+            card(staging, lex.config, path, out_dir)
     return lex.config
 
 
@@ -775,25 +780,10 @@ def write_weights(names: dict, plan: Plan, config: LexConfig, to_lex: bool, stag
         (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def write_conversion_card(folder: Path, config: LexConfig, source: Path, out_dir: Path) -> None:
-    """The model card (lex.model_card) of a folder converted from `source` (its base_model) and being staged in
-    `folder` for `out_dir`: parameters counted from the weights written there."""
-    from lex.model_card import gguf_origin, model_card, source_origin, write_card
-    from lex.models import has_tokenizer
-
-    how = "converted by lex convert-hf"
-    origin = gguf_origin(source, how) if source.is_file() else source_origin(source, how)
-    parameters = sum(torch.Size(shape).numel() for _, shape, _ in read_names(weight_files(folder)).values())
-    notes = ("The xPos scale is new to these weights: fine-tune before use (`lex train`)."
-             if config.position_embedding_type == "xpos" else "")
-    write_card(folder, model_card(config, parameters, str(out_dir), origin=origin, tokenizer=has_tokenizer(folder),
-                                  notes=notes))
-
-
 def convert_folder(src_dir: Path, out_dir: Path, lex_config: LexConfig, target_config, build: Callable, to_lex: bool,
-                   dtype: str | None, force: bool, max_shard_size: int | str) -> None:
+                   dtype: str | None, force: bool, max_shard_size: int | str, card: CardWriter | None = None) -> None:
     """Check every name and shape from the headers, then stream the weights into a staged OUT; carry the tokenizer
-    and generation_config over, and give a LEX OUT its model card. Nothing is written before every check has
+    and generation_config over, and let `card` write OUT's model card. Nothing is written before every check has
     passed."""
     torch_dtype = dtype_named(dtype)
     names = read_names(weight_files(src_dir))
@@ -808,8 +798,8 @@ def convert_folder(src_dir: Path, out_dir: Path, lex_config: LexConfig, target_c
         for name in CARRIED_FILES:
             if (src_dir / name).is_file():
                 shutil.copy2(src_dir / name, staging / name)
-        if to_lex:
-            write_conversion_card(staging, lex_config, src_dir, out_dir)
+        if card is not None:
+            card(staging, lex_config, src_dir, out_dir)
 
 
 def load_config(folder: Path):
@@ -825,10 +815,12 @@ def convert_hf(
     src_dir: str | Path, out_dir: str | Path, attention_mode: str | None = None, attention_window: int | None = None,
     dtype: str | None = None, force: bool = False, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     attention_sinks: int = 0, attention_sink_positions: str = "cache", position_embedding_type: str = "rope",
-    attention_memory_blocks: int = 0, attention_memory_block_size: int | None = None,
+    attention_memory_blocks: int = 0, attention_memory_block_size: int | None = None, card: CardWriter | None = None,
 ) -> LexConfig:
     """A Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Gemma 2 or Gemma 3 folder (safetensors) or .gguf file ->
-    a LEX folder with its model card (README.md, the source as base_model); returns its LexConfig.
+    a LEX folder; returns its LexConfig. `card(staging, config, source, out_dir)` writes the folder's model card
+    (README.md) while it is staged: `lex convert-hf` passes lex.model_card's, which names the source as
+    base_model; None writes none.
 
     At most one output shard (`max_shard_size`) of weights is held in memory. An existing OUT is refused unless
     `force`, and replaced only once the new folder is complete.
@@ -838,13 +830,13 @@ def convert_hf(
     if gguf is not None:
         return convert_gguf(gguf, Path(out_dir), attention_mode, attention_window, attention_sinks,
                             attention_sink_positions, position_embedding_type, dtype, force, max_shard_size,
-                            attention_memory_blocks, attention_memory_block_size)
+                            attention_memory_blocks, attention_memory_block_size, card=card)
     if src_dir.is_dir() and not (src_dir / "config.json").is_file():
         raise ConversionError(f"{src_dir}: not a model folder (it has no config.json) and holds no .gguf file")
     config = lex_config_from_hf(load_config(src_dir), attention_mode, attention_window, attention_sinks,
                                 attention_sink_positions, position_embedding_type, attention_memory_blocks,
                                 attention_memory_block_size)
-    convert_folder(src_dir, Path(out_dir), config, config, LexForCausalLM, True, dtype, force, max_shard_size)
+    convert_folder(src_dir, Path(out_dir), config, config, LexForCausalLM, True, dtype, force, max_shard_size, card)
     return config
 
 

@@ -11,12 +11,16 @@ no base and its card leaves the field out, as transformers' Trainer does for run
 """
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 from huggingface_hub import ModelCard, ModelCardData
 
+from convert.hf import read_names, weight_files
+
+from .models import has_tokenizer
 from .report import markdown_table
 
 logger = logging.getLogger(__name__)
@@ -195,3 +199,15 @@ def write_card(folder: str | Path, text: str) -> Path:
     path = Path(folder) / CARD_FILE
     path.write_text(text, encoding="utf-8")
     return path
+
+
+def write_conversion_card(folder: Path, config, source: Path, out_dir: Path) -> None:
+    """The model card of a folder converted from `source` (its base_model) and being staged in `folder` for
+    `out_dir` (convert.hf's `card`): parameters counted from the weights written there."""
+    how = "converted by lex convert-hf"
+    origin = gguf_origin(source, how) if source.is_file() else source_origin(source, how)
+    parameters = sum(math.prod(shape) for _, shape, _ in read_names(weight_files(folder)).values())
+    notes = ("The xPos scale is new to these weights: fine-tune before use (`lex train`)."
+             if config.position_embedding_type == "xpos" else "")
+    write_card(folder, model_card(config, parameters, str(out_dir), origin=origin, tokenizer=has_tokenizer(folder),
+                                  notes=notes))

@@ -8,6 +8,7 @@ import torch
 from configuration_lex import ATTENTION_MODES, SINK_POSITIONS
 from convert import hf
 from lex.commands import LexArgumentParser, add_quantize_argument, positive_int
+from lex.model_card import write_conversion_card
 from lex.models import DTYPES
 from lex.quantization import quantize_folder
 from lex_base.errors import OutputExistsError
@@ -56,14 +57,14 @@ def main_convert_hf(argv: list[str] | None = None) -> int:
                    attention_memory_block_size=args.attention_memory_block_size)
     if args.quantize is None:
         config = hf.convert_hf(args.src, args.out, args.attention_mode, args.attention_window, args.dtype,
-                               args.force, **convert)
+                               args.force, **convert, card=write_conversion_card)
     else:  # converted unquantized into a scratch folder beside OUT, then quantized into OUT
         if args.out.exists() and not args.force:
             raise OutputExistsError(f"{args.out.absolute()} exists; pass --force to replace it")
         args.out.absolute().parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=args.out.absolute().parent, prefix=f".{args.out.name}.lex-") as scratch:
             config = hf.convert_hf(args.src, Path(scratch) / "lex", args.attention_mode, args.attention_window,
-                                   args.dtype, **convert)
+                                   args.dtype, **convert, card=write_conversion_card)
             dtype = getattr(torch, args.dtype or "bfloat16")
             quantize_folder(Path(scratch) / "lex", args.out, args.quantize, dtype, args.force)
     memory = (f", a memory of {config.attention_memory_blocks} blocks of {config.attention_memory_block_size} tokens"
