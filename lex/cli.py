@@ -7,6 +7,7 @@ staging folders are removed, and exits with status 143; any other exception is a
 """
 
 import importlib
+import logging
 import signal
 import sys
 import threading
@@ -27,6 +28,10 @@ COMMANDS = {
     "convert-to-hf": ("lex.commands.convert_hf", "main_convert_to_hf", "LEX folder (rope) -> its HF family"),
     "export": ("lex.commands.export", "main", "a Hub-ready folder loadable with trust_remote_code"),
 }
+# torchao 0.18 (the cpu-quant extra), which transformers 5.23-5.24 import whenever it is installed, logs as it is
+# imported that its CUDA kernels do not load on a CPU build of torch and, under torch 2.13, that its enums need no
+# pytree registration: noise on stderr, where a command prints one line per error. Their errors still show.
+QUIET_AT_IMPORT = ("torchao", "torch.utils._pytree")
 TERMINATED = 128 + signal.SIGTERM  # the status a shell reports for a process ended by SIGTERM
 
 
@@ -76,6 +81,8 @@ def sigterm_unwinds() -> Iterator[None]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    for logger in QUIET_AT_IMPORT:
+        logging.getLogger(logger).setLevel(logging.ERROR)
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0

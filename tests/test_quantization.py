@@ -60,7 +60,8 @@ def kernel_calls(model, ids) -> dict[str, int]:
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_packed_kernels_multiply_every_linear_and_the_head(kind):
-    source = perturbed_model(config())
+    source = perturbed_model(config(tie_word_embeddings=True))
+    assert source.lm_head.weight is source.get_input_embeddings().weight  # the head to untie
     model = quantize(copy.deepcopy(source), kind)
     linears = sum(isinstance(m, nn.Linear) for m in source.modules())
     if kind == "int8":
