@@ -33,7 +33,6 @@ from modeling_lex import LexForCausalLM
 
 from .model_card import CARD_FILE, Origin, card_metadata, model_card
 from .models import has_tokenizer, model_config, saved_for_generation
-from .quantization import quantized_kind
 from .report import length_table
 
 AUTO_MAP = {
@@ -121,9 +120,8 @@ def _is_within(path: Path, folder: Path) -> bool:
 def refuse_quantized(config, name: str) -> None:
     """An ExportError for quantized weights: an exported folder loads by remote code without this package, and
     torchao's CPU layouts are laid out by lex.quantization, which the folder's code does not carry."""
-    kind = quantized_kind(config)
-    if kind is not None:
-        raise ExportError(f"{name} holds {kind} weights (quantization_config, torchao): lex export writes unquantized "
+    if getattr(config, "quantization_config", None) is not None:
+        raise ExportError(f"{name} holds quantized weights (quantization_config, torchao): lex export writes unquantized "
                           "folders, since its remote code loads without this package; export the unquantized model "
                           "and quantize at load time (from_pretrained(..., quantization_config=TorchAoConfig(...)))")
 

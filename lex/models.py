@@ -28,7 +28,7 @@ from convert.checkpoint import ConversionError
 from convert.hf import SOURCE_TYPES, gguf_config, gguf_file, gguf_tokenizer, lex_from_hf, load_gguf
 
 from .data import DataError
-from .quantization import QuantizationError, for_cpu, quantized_kind
+from .quantization import QuantizationError, for_cpu, stored_kind
 from .quantization import quantize as quantize_weights
 
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -119,7 +119,10 @@ def load_model(
                      attention_memory_blocks=attention_memory_blocks,
                      attention_memory_block_size=attention_memory_block_size)
     gguf = source_gguf(path)
-    stored = None if gguf is not None else quantized_kind(model_config(path, "MODEL"))
+    try:
+        stored = None if gguf is not None or not Path(path).is_dir() else stored_kind(path)
+    except QuantizationError as error:
+        raise DataError(f"MODEL {error}") from None
     dtype = dtype or ("bfloat16" if quantize or stored else "float32")
     if gguf is not None:
         try:
@@ -140,7 +143,7 @@ def load_model(
                             f"{stored}, or no --quantize)")
         model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=getattr(torch, dtype))
         if stored is not None:
-            return for_cpu(model.to(device).eval())
+            return for_cpu(model.to(device).eval(), stored)
         return quantized(model.to(device).eval(), quantize, dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
     return quantized(with_attention(model, **attention, name=str(path)), quantize, dtype)

@@ -1,30 +1,33 @@
 """Weight-only quantization for CPU decoding: torchao quantizes the weights, torch's packed CPU kernels multiply.
 
 Decoding one token reads every weight once, so on a CPU its speed is the width of the weights. Two widths
-(`QUANTIZATIONS`), each in two forms, the one a folder stores and the one a CPU multiplies:
+(`QUANTIZATIONS`) share one stored form, torchao's `Int8WeightOnlyConfig` (`Int8Tensor`: int8, symmetric, one
+scale per output row), and differ in the layout `for_cpu` gives the weights for the CPU's kernels:
 
-- int8: torchao's `Int8WeightOnlyConfig` (symmetric, one scale per output row), stored as torchao's `Int8Tensor`.
-  Its eager matmul converts the whole weight on every call, so `for_cpu` swaps each such Linear for an
-  `Int8Linear` that calls torch's fused `torch._weight_int8pack_mm` on the same int8 values and scales.
-- int4: torchao's `IntxWeightOnlyConfig` (int4, asymmetric, groups of `INT4_GROUP_SIZE` input channels), stored as
-  torchao's `IntxUnpackedToInt8Tensor`; `for_cpu` repacks each weight into torchao's CPU layout
-  (`PrototypeInt4WeightOnlyConfig`, `Int4OpaqueTensor`, multiplied by `aten._weight_int4pack_mm_for_cpu`), which
-  torchao cannot write to safetensors. Repacking re-derives each group's scale and zero from its 16 levels.
+- int8: every Linear becomes an `Int8Linear`, which calls torch's fused `torch._weight_int8pack_mm` on the stored
+  int8 values and scales (torchao's own eager matmul widens the whole weight on every call).
+- int4: every Linear but the LM head is requantized from its int8 values into torchao's CPU int4 layout
+  (`PrototypeInt4WeightOnlyConfig`: asymmetric groups of `INT4_GROUP_SIZE` input channels with float scales and
+  zeros, `Int4OpaqueTensor`, multiplied by `aten._weight_int4pack_mm_for_cpu`); the LM head stays int8: at 4 bits
+  it costs SmolLM2-135M a quarter of its perplexity, where the body's 4 bits cost under 1%. torchao cannot write
+  this layout to safetensors, so a folder stores the int8 form and the layout is derived as it loads.
 
-Every Linear is quantized, the LM head included: a tied head is untied first, so the embedding keeps its
-activations-dtype rows for the lookup and decoding reads the head's packed copy. The activations (and with them
-the caches and the block memory's store) are bfloat16 unless asked otherwise: the packed kernels are fastest on
-bfloat16 and torch's int4 CPU kernel is an order of magnitude slower on float32 (benchmarks/llamacpp_peer.py).
+A tied LM head is untied first, so the embedding keeps its activations-dtype rows for the lookup and decoding
+reads the head's own copy. The activations (and with them the caches and the block memory's store) are bfloat16
+unless asked otherwise: the packed kernels are fastest on bfloat16 and torch's int4 CPU kernel is an order of
+magnitude slower on float32 (benchmarks/llamacpp_peer.py).
 
-In memory (`quantize`) and from a saved folder (`save_quantized`, then `from_pretrained` and `for_cpu`) a model goes
-through the same steps on the same bfloat16 weights, so both give the same logits. A folder is written through
-transformers' documented path (`TorchAoConfig` at `from_pretrained`, then `save_pretrained`: safetensors, no pickle)
-and loads quantized with a plain `AutoModelForCausalLM.from_pretrained(folder)`.
+In memory (`quantize`) and from a saved folder (`save_quantized`, then `from_pretrained` and `for_cpu` with the
+folder's `stored_kind`) a model goes through the same steps on the same bfloat16 weights, so both give the same
+logits. A folder is written through transformers' documented path (`TorchAoConfig` at `from_pretrained`, then
+`save_pretrained`: safetensors, no pickle), loads quantized with a plain `AutoModelForCausalLM.from_pretrained`
+(int8 weights), and names in `QUANTIZATION_FILE` the layout it is read in.
 
 This module owns the coupling with torchao; it targets torchao 0.18 (the `cpu-quant` extra) with transformers
 5.23-5.24.
 """
 
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -41,7 +44,8 @@ from lex_base.staging import atomic_directory
 Quantization = Literal["int8", "int4"]
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 INT4_GROUP_SIZE = 32  # GGUF's Q4_0/Q4_1 group: a Q4_1 checkpoint's 16 levels a group survive requantization
-INT4_CPU_ROWS = 16  # the tinygemm CPU layout packs output rows by 16; other weights keep torchao's eager matmul
+INT4_CPU_ROWS = 16  # the tinygemm CPU layout packs output rows by 16; other weights stay int8
+QUANTIZATION_FILE = "lex_quantization.json"  # {"weights": KIND}: the layout a saved folder is read in
 
 
 MODEL_FILES = ("config.json", "generation_config.json")  # with model*.safetensors: what save_pretrained writes
@@ -60,22 +64,20 @@ def torchao():
     return torchao.quantization
 
 
-def weight_config(kind: str):
-    """torchao's config for the stored form of `kind`."""
-    quantization = torchao()
-    if kind == "int8":
-        return quantization.Int8WeightOnlyConfig()
-    if kind == "int4":
-        return quantization.IntxWeightOnlyConfig(weight_dtype=torch.int4,
-                                                 granularity=quantization.PerGroup(INT4_GROUP_SIZE),
-                                                 mapping_type=quantization.MappingType.ASYMMETRIC)
-    raise QuantizationError(f"quantize={kind!r}: allowed values are {', '.join(QUANTIZATIONS)}")
+def check_kind(kind: str) -> None:
+    if kind not in QUANTIZATIONS:
+        raise QuantizationError(f"quantize={kind!r}: allowed values are {', '.join(QUANTIZATIONS)}")
 
 
-def quantization_config(kind: str) -> TorchAoConfig:
-    """The `quantization_config` of `kind` for `from_pretrained`: every Linear, the LM head included (the
+def weight_config():
+    """torchao's config of the stored form (both kinds)."""
+    return torchao().Int8WeightOnlyConfig()
+
+
+def quantization_config() -> TorchAoConfig:
+    """The `quantization_config` of the stored form for `from_pretrained`: every Linear, the LM head included (the
     input embedding stays unquantized)."""
-    return TorchAoConfig(weight_config(kind), include_input_output_embeddings=True,
+    return TorchAoConfig(weight_config(), include_input_output_embeddings=True,
                          modules_to_not_convert=["model.embed_tokens"])
 
 
@@ -93,7 +95,7 @@ def untie(model: nn.Module) -> nn.Module:
 
 def check_supported(model: nn.Module, kind: str) -> None:
     """Refuse, naming the layer, a Linear whose input width int4's groups do not divide."""
-    weight_config(kind)
+    check_kind(kind)
     if kind != "int4":
         return
     for name, module in model.named_modules():
@@ -108,10 +110,10 @@ def quantize(model: nn.Module, kind: str, dtype: torch.dtype = torch.bfloat16) -
     check_supported(model, kind)
     untie(model.to(dtype))
     embedding = model.get_input_embeddings()
-    torchao().quantize_(model, weight_config(kind),
+    torchao().quantize_(model, weight_config(),
                         filter_fn=lambda module, name: isinstance(module, nn.Linear) and module is not embedding)
-    model.config.quantization_config = quantization_config(kind)
-    return for_cpu(model)
+    model.config.quantization_config = quantization_config()
+    return for_cpu(model, kind)
 
 
 class Int8Linear(nn.Module):
@@ -136,43 +138,64 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per row"
 
 
-def for_cpu(model: nn.Module) -> nn.Module:
-    """`model` with its stored quantized weights (see the module docstring) in the layouts the CPU kernels read:
-    int8 Linears swapped for `Int8Linear`, int4 weights repacked for the tinygemm CPU kernel (those with a
-    multiple of `INT4_CPU_ROWS` output rows; others keep torchao's dequantizing matmul). Leaves other weights, and
-    weights already in a CPU layout, as they are."""
+def for_cpu(model: nn.Module, kind: str) -> nn.Module:
+    """`model` with its stored int8 weights (see the module docstring) in the layouts the CPU kernels read for
+    `kind`: Linears swapped for `Int8Linear`s, or for int4 every Linear but the LM head requantized into the
+    tinygemm CPU layout (those with a multiple of `INT4_CPU_ROWS` output rows; others stay int8). Leaves other
+    weights as they are."""
+    check_kind(kind)
     quantization = torchao()
     from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
-    from torchao.quantization.quantize_.workflows import Int8Tensor, IntxUnpackedToInt8Tensor
+    from torchao.quantization.quantize_.workflows import Int8Tensor
 
+    head = model.get_output_embeddings()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if not isinstance(child, nn.Linear):
+            if not isinstance(child, nn.Linear) or not isinstance(child.weight, Int8Tensor):
                 continue
-            weight = child.weight
-            if isinstance(weight, Int8Tensor):
-                setattr(parent, name, Int8Linear(weight.qdata, weight.scale, child.bias))
-            elif isinstance(weight, IntxUnpackedToInt8Tensor) and child.out_features % INT4_CPU_ROWS == 0:
-                child.weight = nn.Parameter(weight.dequantize(), requires_grad=False)
+            if kind == "int4" and child is not head and child.out_features % INT4_CPU_ROWS == 0:
+                child.weight = nn.Parameter(child.weight.dequantize(), requires_grad=False)
                 quantization.quantize_(child, PrototypeInt4WeightOnlyConfig(group_size=INT4_GROUP_SIZE))
+            else:
+                setattr(parent, name, Int8Linear(child.weight.qdata, child.weight.scale, child.bias))
     return model
 
 
-def quantized_kind(config) -> str | None:
-    """The kind of a config's torchao `quantization_config` written by this module (None: not quantized)."""
-    quantization = getattr(config, "quantization_config", None)
-    if quantization is None:
+def weights_of(model: nn.Module) -> str | None:
+    """The kind of `model`'s quantized weights as laid out for the CPU (None: not laid out so)."""
+    from torchao.prototype.quantization.int4 import Int4OpaqueTensor
+
+    modules = list(model.modules())
+    if any(isinstance(getattr(m, "weight", None), Int4OpaqueTensor) for m in modules):
+        return "int4"
+    return "int8" if any(isinstance(m, Int8Linear) for m in modules) else None
+
+
+def stored_kind(folder: str | Path) -> str | None:
+    """The kind a model folder is read in: `QUANTIZATION_FILE`'s (`save_quantized`), "int8" for other torchao
+    Int8WeightOnlyConfig folders, None for a folder without quantized weights."""
+    folder = Path(folder)
+    if (folder / QUANTIZATION_FILE).is_file():
+        kind = json.loads((folder / QUANTIZATION_FILE).read_text(encoding="utf-8")).get("weights")
+        check_kind(kind)
+        return kind
+    path = folder / "config.json"
+    quantization = (json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}).get("quantization_config")
+    if not quantization or quantization.get("quant_method") != "torchao":
         return None
-    quant_type = quantization.get("quant_type") if isinstance(quantization, dict) else quantization.quant_type
-    name = quant_type.get("default", quant_type).get("_type") if isinstance(quant_type, dict) else type(quant_type).__name__
-    return {"Int8WeightOnlyConfig": "int8", "IntxWeightOnlyConfig": "int4"}.get(name, name)
+    quant_type = quantization.get("quant_type") or {}
+    name = quant_type.get("default", quant_type).get("_type") if isinstance(quant_type, dict) else None
+    if name != "Int8WeightOnlyConfig":
+        raise QuantizationError(f"{folder}: its torchao quantization_config is {name}; lex reads folders of "
+                                "Int8WeightOnlyConfig weights (lex convert-hf --quantize int8|int4 writes them)")
+    return "int8"
 
 
 def save_quantized(model: nn.Module, out_dir: str | Path, kind: str, dtype: torch.dtype = torch.bfloat16,
                    force: bool = False, beside: str | Path | None = None) -> Path:
     """Write `model` (unquantized) to `out_dir` as a folder that `from_pretrained` loads with `kind` weights and
     `dtype` activations: untied and cast, saved to a scratch folder, quantized by `from_pretrained` with
-    `quantization_config(kind)` and saved again, with the files of folder `beside` (a tokenizer, a model card)
+    `quantization_config()` and saved again with `QUANTIZATION_FILE` naming `kind`, and with the files of folder `beside` (a tokenizer, a model card)
     that are not weights or configs. `out_dir` appears only when complete (an existing one is refused unless
     `force`)."""
     check_supported(model, kind)
@@ -180,11 +203,13 @@ def save_quantized(model: nn.Module, out_dir: str | Path, kind: str, dtype: torc
     with atomic_directory(out_dir, force) as staging:
         with tempfile.TemporaryDirectory(dir=staging.parent, prefix=f".{out_dir.name}.unquantized-") as scratch:
             untie(model.to(dtype)).save_pretrained(scratch)
-            quantized = AutoModelForCausalLM.from_pretrained(scratch, quantization_config=quantization_config(kind),
+            quantized = AutoModelForCausalLM.from_pretrained(scratch, quantization_config=quantization_config(),
                                                              dtype=dtype)
             quantized.save_pretrained(staging)
+        (staging / QUANTIZATION_FILE).write_text(json.dumps({"weights": kind}) + "\n", encoding="utf-8")
         for file in sorted(Path(beside).iterdir()) if beside is not None else ():
-            if file.is_file() and file.name not in MODEL_FILES and not file.name.startswith("model"):
+            if (file.is_file() and file.name not in (*MODEL_FILES, QUANTIZATION_FILE)
+                    and not file.name.startswith("model")):
                 shutil.copy2(file, staging / file.name)
     return out_dir
 
@@ -205,11 +230,11 @@ def quantized_card(text: str, kind: str, dtype: torch.dtype) -> str:
     """A model card (README.md) with the tags and the section of `kind` weights added."""
     card = ModelCard(text)
     card.data.tags = [*(card.data.tags or []), "torchao", kind]
-    stored = {"int8": "torchao's `Int8WeightOnlyConfig` (int8, one scale per output row)",
-              "int4": f"torchao's `IntxWeightOnlyConfig` (int4, asymmetric, groups of {INT4_GROUP_SIZE})"}[kind]
-    card.text += (f"\n## Quantized weights\n\nEvery Linear, the LM head included, holds {kind} weights stored as "
-                  f"{stored}; the embedding and the norms are {str(dtype).removeprefix('torch.')}, and so are the "
-                  "activations. `from_pretrained` loads the folder quantized (it needs `torchao`); "
-                  "`lex.quantization.for_cpu(model)` then lays the weights out for torch's packed CPU kernels, as "
-                  "`lex generate` and `lex eval-length` do.\n")
+    layout = {"int8": "torch's packed int8 kernel",
+              "int4": f"torchao's CPU int4 layout (groups of {INT4_GROUP_SIZE}) for every Linear but the LM head"}
+    card.text += (f"\n## Quantized weights\n\nEvery Linear, the LM head included, is stored in int8 (torchao's "
+                  "`Int8WeightOnlyConfig`, one scale per output row); the embedding and the norms are "
+                  f"{str(dtype).removeprefix('torch.')}, and so are the activations. `from_pretrained` loads the "
+                  f"folder quantized (it needs `torchao`); `lex.quantization.for_cpu(model, \"{kind}\")` then lays "
+                  f"the weights out for {layout[kind]}, as `lex generate` and `lex eval-length` do.\n")
     return str(card)

@@ -30,7 +30,7 @@ from convert.hf import SOURCE_TYPES
 from lex.commands import LexArgumentParser, add_quantize_argument, check_quantize, positive_int
 from lex.data import DataError, check_text_file
 from lex.models import DTYPES, load_model, load_tokenizer, model_config
-from lex.quantization import quantized_kind
+from lex.quantization import weights_of
 from modeling_lex import LexCache
 from modeling_lex.generation import CACHE_NAME
 
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         reading = (f"{config.model_type} as published (its cache grows with the document; --attention_mode "
                    "sliding or blockwise bounds it)")
-    weights = quantized_kind(config)
+    weights = weights_of(model) if getattr(config, "quantization_config", None) is not None else None
     weights = f"; {weights} weights, {model.dtype} activations" if weights else ""
     print(f"prompt: {input_ids.shape[1]} tokens; {reading}; training length {config.max_position_embeddings}"
           f"{weights}", file=sys.stderr)
