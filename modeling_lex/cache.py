@@ -12,10 +12,12 @@ followed by its window part; between forwards that is at most
   - sliding: S + the last w - 1;
   - full: everything (the ordinary unbounded cache; no sink slots).
 The bookkeeping (documents, positions, what to keep, rollback) is `stream.Stream`'s: each forward's record
-(record.py) says what the layers keep. A cache's state changes in one place: each layer's `update(key, value,
-layer_idx, cache_kwargs)` returns what attention reads and changes nothing held; after the last layer,
-`commit(record)` keeps what the record says in every layer and moves the stream on. So a forward that raises
-leaves the cache as it was, and reading `keys`/`values` changes nothing. Two caches share that contract:
+(record.py) says what the layers keep. A cache's state changes in one place: a forward runs its layers inside
+`with cache.forward(record):`, where each layer's `update(key, value, layer_idx, request)` returns what attention
+reads and changes nothing held (transformers names the method), and when the block ends every layer keeps what
+the record says and the stream moves on; if the forward raises, every layer drops what it read. So a forward that
+raises leaves the cache as it was, and reading `keys`/`values` changes nothing. Both caches share that contract
+(`LexCacheSteps`):
 
 - `LexCache` (generate()'s default) grows and shrinks. While recording the past (assisted and prompt-lookup
   decoding) it also holds the tokens a later `crop` may remove: those read since the last crop whose logits the
@@ -28,12 +30,15 @@ Prompts longer than w are fed through either cache w tokens at a time by `LexFor
 any length is read in O(w) memory.
 """
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 import torch
-from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer, StaticCache
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer, StaticCache
 
 from .generation import init_cache_layers
-from .memory import BlockMemory
-from .record import ForwardRecord, MemoryTerms
+from .memory import BlockMemory, Evidence
+from .record import CacheRequest, ForwardRecord, MemoryTerms
 from .stream import Stream, _mark_static
 from .visibility import memory_tokens, sink_count
 from .xpos import apply_rotary
@@ -64,17 +69,16 @@ class LexCacheLayer(DynamicLayer):
     in a buffer with room to grow around them; `keys` and `values` are views of what is held.
 
     A forward's `update` writes the new keys after the window part, in place where DynamicLayer's torch.cat copies
-    every held key at every step (a tenth of a decoding step of SmolLM2-135M at 2k tokens of context), and returns
-    the sink slots, the window part and the new keys as one contiguous span for attention to read. That changes
-    nothing held: `commit` does, with the record's sink slots and last `keep` window keys. A decoding step that
-    sees its sinks in the cache's frame (RoPE) reads them rotated by `sink_rotation`, which `update` writes over
-    the buffer's copy of the sink slots (kernels.py never writes a tensor the cache returned); the slots' raw
-    contents are kept apart (`_sinks`) and written back at `commit`, and until then `keys` reads them from there.
-    Under autograd the buffers are never written in place.
+    every held key at every step, and returns the sink slots, the window part and the new keys as one contiguous
+    span for attention to read. That changes nothing held: `commit` does, with the record's sink slots and last
+    `keep` window keys. A decoding step that sees its sinks in the cache's frame (RoPE) reads them rotated by the
+    request's `sink_rotation`, which `update` writes over the buffer's copy of the sink slots (kernels.py never
+    writes a tensor the cache returned); the slots' raw contents are kept apart (`_sinks`) and written back at
+    `commit`, and until then `keys` reads them from there. Under autograd the buffers are never written in place.
 
     With a block memory (memory.py), the keys and values `commit` drops go there, and `update` returns the blocks
-    the forward's choosing queries (`cache_kwargs["memory_query"]`, times the attention's scale) retrieve after the new
-    keys, as the record and the plan say (`cache_kwargs["memory"]`)."""
+    the request's choosing queries (`memory_query`) retrieve after the new keys, as the record and the plan say
+    (`CacheRequest.memory`)."""
 
     def __init__(self, memory: BlockMemory | None = None) -> None:
         self._window: list[tuple[torch.Tensor, int, int] | None] = [None, None]  # keys, values: (buffer, begin, end)
@@ -133,16 +137,18 @@ class LexCacheLayer(DynamicLayer):
         return 0 if span is None else span[2] - span[1] + self._slots(0)
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs: dict, *args, **kwargs
+        self, key_states: torch.Tensor, value_states: torch.Tensor, request: CacheRequest,
+        evidence: Evidence | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sink slots, the window part and the new keys (and values), as attention reads them."""
+        """The sink slots, the window part and the new keys (and values), as attention reads them; with a block
+        memory, the blocks the request's queries choose by the forward's `evidence` after them."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        terms = self._memory_terms = cache_kwargs.get("memory")
+        terms = self._memory_terms = request.memory
         recalled, place = (None, None), None
         if terms is not None and terms.read is not None:
-            recalled, place = self.memory.read(cache_kwargs["memory_query"], terms.read), terms.place
-        return (self._span(0, key_states, cache_kwargs.get("sink_rotation"), recalled[0], place),
+            recalled, place = self.memory.read(request.memory_query, terms.read, evidence), terms.place
+        return (self._span(0, key_states, request.sink_rotation, recalled[0], place),
                 self._span(1, value_states, None, recalled[1]))
 
     def _span(self, which: int, new: torch.Tensor, rotation: torch.Tensor | None,
@@ -162,7 +168,7 @@ class LexCacheLayer(DynamicLayer):
                 recalled = apply_rotary(recalled, place)
             parts += [self._joined[which]] + ([recalled] if extra else [])
             return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
-        self._joined[which] = None  # (what a forward under autograd that raised may have left)
+        self._joined[which] = None
         stop = end + new.shape[2]
         rewrite = rotation is not None or (which == 0 and self._rotated)
         if stop + extra > buffer.shape[2]:  # no room after the window part
@@ -208,9 +214,7 @@ class LexCacheLayer(DynamicLayer):
             self._hold(which, buffer, first, end, sinks, rewrite=record.sink_source is not None or first != begin)
         self._rotated = False
         if self.memory is not None:
-            self.memory.commit()
-        if evicted:
-            self.memory.append(*evicted)
+            self.memory.commit(tuple(evicted))
 
     def _hold(self, which: int, buffer: torch.Tensor, first: int, end: int, sinks: torch.Tensor | None,
               rewrite: bool) -> None:
@@ -231,6 +235,13 @@ class LexCacheLayer(DynamicLayer):
             buffer[:, :, first - count : first] = sinks
         self._sinks[which] = sinks
         self._window[which] = (buffer, first, end)
+
+    def discard(self) -> None:
+        """The forward raised: drop what it read (the buffer's copy of the sink keys may stay rotated: `keys` reads
+        the raw ones, and the next `update` writes over it)."""
+        self._joined, self._memory_terms = [None, None], None
+        if self.memory is not None:
+            self.memory.discard()
 
     def keep_window(self, keep: int) -> None:
         """Hold only the last `keep` keys of the window part (a crop)."""
@@ -259,7 +270,54 @@ class LexCacheLayer(DynamicLayer):
             self.memory.apply_to_rows(lambda t: t[indices])
 
 
-class LexCache(DynamicCache):
+class LexCacheSteps:
+    """One forward's step, the same for both LEX caches: `forward(record)` opens it, each layer's `update` reads,
+    and the step's end commits (or, if the forward raised, discards) in every layer and in the stream."""
+
+    layers: list
+    stream: Stream
+
+    @contextlib.contextmanager
+    def forward(self, record: ForwardRecord) -> Iterator[None]:
+        """Run one forward's layers inside: when the block ends every layer holds what `record` says and the stream
+        moves to `record.stream_after`; if it raises, every layer drops what it read and the cache is as it was."""
+        self._open(record)
+        try:
+            yield
+        except BaseException:
+            for layer in self.layers:
+                layer.discard()
+            self._close()
+            raise
+        for layer in self.layers:
+            layer.commit(record)
+        self.stream.commit(record)
+        self._close(record)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               request: CacheRequest | None = None, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values attention reads (sink slots first), for the plan's `request`; what the layer holds
+        changes when the forward's step ends."""
+        return self.layers[layer_idx].update(key_states, value_states, request or CacheRequest(), *self._reading())
+
+    def _open(self, record: ForwardRecord) -> None:
+        """What the cache keeps for the length of one forward (nothing, but for the block memory's evidence)."""
+
+    def _reading(self) -> tuple:
+        """What a layer's `update` reads besides its request, for the forward open now."""
+        return ()
+
+    def _close(self, record: ForwardRecord | None = None) -> None:
+        """The forward's step ended: committed (`record`) or discarded (None)."""
+
+
+def forward_step(cache: Cache | None, record: ForwardRecord) -> contextlib.AbstractContextManager:
+    """The step of one forward through `cache`: a LEX cache's `forward(record)`; nothing to open for any other
+    cache (transformers' own store at `update`) or none."""
+    return cache.forward(record) if isinstance(cache, LexCacheSteps) else contextlib.nullcontext()
+
+
+class LexCache(LexCacheSteps, DynamicCache):
     """A transformers Cache for LEX models; `generate()` creates one by default.
 
     Besides each layer's keys and values it keeps, once for all layers, a `Stream`: the position id, padding flag
@@ -273,6 +331,9 @@ class LexCache(DynamicCache):
         self.config, self.memory_directory = config, memory_directory
         init_cache_layers(self, [LexCacheLayer(self._memory()) for _ in range(config.num_hidden_layers)])
         self.stream = Stream(config)
+        # (B, blocks then): what the last forward that chose blocks found, one layer's worth; None before one
+        self.memory_evidence: torch.Tensor | None = None
+        self._evidence: Evidence | None = None  # the forward's, while one is open
 
     def _memory(self) -> BlockMemory | None:
         """A layer's block memory, or None without one."""
@@ -317,19 +378,30 @@ class LexCache(DynamicCache):
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return self.stream.sink_slots + self.held + query_length, self.seen - self.held
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs: dict,
-               *args, **kwargs):
-        """The keys and values attention reads (sink slots first); what the layer holds changes at `commit`.
-        `cache_kwargs` (the plan's, as Llama's layers pass theirs): the forward's `record` and the `sink_rotation`
-        of the sink slots' copy, if any."""
-        return self.layers[layer_idx].update(key_states, value_states, cache_kwargs)
+    def _open(self, record: ForwardRecord) -> None:
+        """A forward that reads the block memory starts its evidence from what the last one that chose found."""
+        read = record.memory
+        if read is None:
+            return
+        carried = torch.zeros(read.candidates.shape, device=read.candidates.device)
+        if self.memory_evidence is not None:  # (blocks complete since then: nothing carried)
+            carried[:, : self.memory_evidence.shape[1]] = self.memory_evidence
+        self._evidence = Evidence(carried)
 
-    def commit(self, record: ForwardRecord) -> None:
-        """After the last layer of the record's forward: every layer holds what the record says, and the stream
-        moves on."""
-        for layer in self.layers:
-            layer.commit(record)
-        self.stream.commit(record)
+    def _reading(self) -> tuple:
+        return (self._evidence,)
+
+    def _close(self, record: ForwardRecord | None = None) -> None:
+        found = None if record is None or self._evidence is None else self._evidence.found()
+        if found is not None:  # a forward that chose: what it found is what the next one starts from
+            self.memory_evidence = found
+        self._evidence = None
+
+    def _apply_to_rows(self, function: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Beam reordering and batch selection of what the cache holds besides its layers."""
+        self.stream.apply_to_rows(function)
+        if self.memory_evidence is not None:
+            self.memory_evidence = function(self.memory_evidence)
 
     @property
     def is_croppable(self) -> bool:
@@ -371,15 +443,15 @@ class LexCache(DynamicCache):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
-        self.stream.apply_to_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        self._apply_to_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
-        self.stream.apply_to_rows(lambda t: t.repeat_interleave(repeats, dim=0))
+        self._apply_to_rows(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
-        self.stream.apply_to_rows(lambda t: t[indices])
+        self._apply_to_rows(lambda t: t[indices])
 
     def reset(self) -> None:
         super().reset()
@@ -388,6 +460,7 @@ class LexCache(DynamicCache):
         record = self.stream.record_past
         self.stream = Stream(self.config)
         self.stream.record_past = record
+        self.memory_evidence = None
 
 
 class LexStaticLayer(CacheLayerMixin):
@@ -408,13 +481,13 @@ class LexStaticLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs: dict, *args, **kwargs
+        self, key_states: torch.Tensor, value_states: torch.Tensor, request: CacheRequest
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The slots followed by the new keys (and values), as new tensors; the slots are written at `commit`."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._joined = torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
-        keys, rotation = self._joined[0], cache_kwargs.get("sink_rotation")
+        keys, rotation = self._joined[0], request.sink_rotation
         if rotation is not None:  # the sinks seen in the cache's frame: a rotated copy, the slots stay raw
             keys = torch.cat([apply_rotary(keys[:, :, : self.sink_slots], rotation), keys[:, :, self.sink_slots :]],
                              dim=2)
@@ -428,6 +501,10 @@ class LexStaticLayer(CacheLayerMixin):
             if record.sink_source is not None:
                 buffer[:, :, : self.sink_slots].copy_(_gather_columns(joined, record.sink_source))
             buffer[:, :, self.sink_slots :].copy_(joined[:, :, joined.shape[2] - self.window_slots :])
+        self._joined = None
+
+    def discard(self) -> None:
+        """The forward raised: drop what it read."""
         self._joined = None
 
     def get_seq_length(self) -> int:
@@ -445,7 +522,7 @@ class LexStaticLayer(CacheLayerMixin):
             self.values.copy_(self.values.index_select(0, beam_idx.to(self.device)))
 
 
-class LexStaticCache(StaticCache):
+class LexStaticCache(LexCacheSteps, StaticCache):
     """A LexCache of fixed shapes for compiled decoding: `generate(cache_implementation="static")` creates one.
 
     Each layer has S sink slots and w - 1 window slots in blockwise and sliding mode (what a query after them can
@@ -484,17 +561,6 @@ class LexStaticCache(StaticCache):
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return self.sink_slots + self.window_slots + query_length, 0
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs: dict,
-               *args, **kwargs):
-        """The keys and values attention reads (sink slots first); the slots are written at `commit`."""
-        return self.layers[layer_idx].update(key_states, value_states, cache_kwargs)
-
-    def commit(self, record: ForwardRecord) -> None:
-        """After the last layer of the record's forward: every layer writes its slots, the stream moves on."""
-        for layer in self.layers:
-            layer.commit(record)
-        self.stream.commit(record)
-
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
         self.stream.apply_to_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -507,4 +573,4 @@ class LexStaticCache(StaticCache):
 LEX_CACHES = (LexCache, LexStaticCache)
 
 
-__all__ = ["LEX_CACHES", "LexCache", "LexStaticCache"]
+__all__ = ["LEX_CACHES", "LexCache", "LexCacheSteps", "LexStaticCache", "forward_step"]

@@ -1,6 +1,6 @@
 """The caller's inputs read into one forward's record: the one place a forward's `ForwardRecord` (record.py) comes
 from, with every check of the caller's mask, position ids and cache. Nothing here changes a cache: a LEX cache's
-stream makes the record as it stands, and `cache.commit` applies it after the last layer."""
+stream makes the record as it stands, and the cache applies it when the forward's `cache.forward(record)` step ends."""
 
 from dataclasses import replace
 
@@ -22,7 +22,7 @@ def begin_forward(
     cache: Cache | None,
 ) -> ForwardRecord:
     """The one place a forward's record comes from, the caller's inputs checked: a LEX cache's own stream (which it
-    leaves as it is: `cache.commit` applies the record), or a stream made for this forward (no cache, or a
+    leaves as it is: `cache.forward(record)` applies it), or a stream made for this forward (no cache, or a
     transformers cache that holds every past key contiguously), or a caller's 4D mask.
 
     `attention_mask` is 2D, over the new tokens or over past and new ones (padding: 0), or 4D (B, 1, T, T).

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from .positions import PositionMethod
-from .record import AttentionContext, ForwardRecord, MemoryRead, MemoryTerms
+from .record import AttentionContext, CacheRequest, ForwardRecord, MemoryRead, MemoryTerms
 from .visibility import (
     chunk_map, locate_in_window, memory_frame, memory_tokens, seen_as_sink, sink_count, sink_frame, sink_indices,
     window_visible,
@@ -61,14 +61,14 @@ class Tile:
     # query's shift instead (R(a)q . k = q . R(-a)k), so no second copy of the query is needed: these are the
     # factors of R(-a), which the kernel applies to the tile's copy of the sink keys. Where the sink columns are the
     # cache's own sink slots (`sinks_in_slots`), the cache applies them instead, to the copy of its sink slots it
-    # puts before its window part (`AttentionPlan.cache_kwargs`, cache.py), and the tile reads the keys and values
+    # puts before its window part (`AttentionPlan.cache_request`, cache.py), and the tile reads the keys and values
     # the cache returned as one span, without a mask.
     sink_key_rotation: torch.Tensor | None = None
     sinks_in_slots: bool = False
     # The block memory's key columns (memory.py), after the window part's, as the cache returns them: met by the
     # second copy of each query, where there is one; per-token RoPE keys rotated into place by the cache.
     n_memory: int = 0
-    memory_place: torch.Tensor | None = None  # (B, 1, k * b, d), for the cache (AttentionPlan.cache_kwargs)
+    memory_place: torch.Tensor | None = None  # (B, 1, k * b, d), for the cache (AttentionPlan.cache_request)
 
 
 @dataclass
@@ -80,7 +80,7 @@ class AttentionPlan:
     sink_slots: int  # the cache's sink slots, which come first among the keys it returns
     attention_maps: bool = False  # one dense tile over every key, whose weights are the full attention map
     token_factors: torch.Tensor | None = None  # (B, 1, T, d): per-token encodings (RoPE)
-    cache_kwargs: dict | None = None  # the record, and the rotation of the cache's copy of its sink slots (if any)
+    cache_request: CacheRequest | None = None  # what every layer hands its cache (set with the tiles)
 
     def encode_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """The new tokens' queries or keys (B, H, T, d) encoded at their own positions, for methods that are
@@ -370,10 +370,11 @@ def build_plan(
                         slice(0, cached + min(start + window, total)), dtype, plain=False)
             for start in range(0, total, window)
         ]
-    in_slots = plan.tiles[0].sinks_in_slots
-    plan.cache_kwargs = {"record": record, "sink_rotation": plan.tiles[0].sink_key_rotation if in_slots else None}
-    if memory_tokens(config):
-        plan.cache_kwargs["memory"] = _memory_cache_terms(position_method, record, plan.tiles[0].memory_place)
+    first = plan.tiles[0]
+    plan.cache_request = CacheRequest(
+        sink_rotation=first.sink_key_rotation if first.sinks_in_slots else None,
+        memory=_memory_cache_terms(position_method, record, first.memory_place) if memory_tokens(config) else None,
+    )
     return plan
 
 

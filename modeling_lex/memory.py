@@ -1,63 +1,25 @@
-"""The block memory past the window (`attention_memory_blocks` = k > 0): one layer's evicted keys and values, and
-which of their blocks a forward reads.
+"""The block memory past the window (`attention_memory_blocks` = k > 0): one layer's evicted keys and values, which
+of their blocks a forward reads, and the evidence a forward gathers from layer to layer.
 
-Keys and values that leave a LexCache's window part are appended here, in stream order, without positions
-(RoPE keys are rotated back to position 0 first: the record's `MemoryTerms.unrotate`), so the store holds the
-stream's tokens 0 ... E - 1 (E: tokens evicted so far) in blocks of b = `attention_memory_block_size`; the last,
-incomplete block waits for its last token. Each complete block has `representative_count(b)` = b / 4
-representative keys per key/value head: the block's keys of largest norm (chosen by measurement on SmolLM2-135M,
-benchmarks/memory_retrieval_probe.py: as good as the block's mean at finding a passkey's block, and better with
-natural filler; and benchmarks/RESULTS.md: with 4 of a block of 64, no key hidden in natural text at 40% of 4,096
-tokens was recalled, with 8 two of three, with 16 three of three).
+The rule is specified in docs/concepts/retrieval-rule.md (the store, which queries choose, the score, the evidence
+across layers and forwards, choosing k blocks, where they sit, how an input is split into forwards); this module is
+that specification in code, and tests/reference.py a float64 naive one. Why the rule is what it is lives in
+benchmarks/journal/, not here.
 
-The retrieval rule (one forward, one layer): every query q of a forward of T <= p = max(b, w / 16) tokens
-(`memory_piece`: a piece of a prompt's end), else b of them (every ceil(T / b)-th, ending at its last: the whole
-forward reads the blocks, so they choose together; on SmolLM2-135M with blocks of 16, 16 queries of each piece of 64
-read two passages of the Bible seen 32k tokens earlier at 1.12x and 1.29x full attention's NLL, all 64 at 1.08x and
-1.02x; 64 queries of every forward of w as well, 0.69 of the window's prefill speed at 32k tokens against 0.75,
-benchmarks/RESULTS.md); a decoding step's one query, when a block has completed since the layer last chose, else the
-step reads the blocks chosen then; per head, before positions, times the attention's scale) score every candidate
-block j (`MemoryRead.candidates`: complete, every token real, after the sinks of the last query's document) as the
-sum over those queries and query heads h of the square of the share that their softmax over the candidates gives j,
-each block's logit being max over its representatives r of q_h . r (each query head against its key/value head): the
-attention each head would pay the block, so that a head which looks for one block weighs as much as a head whose
-logits are large everywhere, and squared, so that one head that finds one block outweighs many that spread over the
-same few (the blocks after the sinks, which every query of some layers attends to). A layer ranks the blocks by its
-scores plus those of the layers below it in the same forward (`MemoryRead.evidence`): what a few heads of a
-few layers find (the heads that copy a passage seen before) carries to the layers above; and the forward's evidence
-starts from what the last forward that chose found (its layers' scores over their number, one layer's worth:
-`MemoryRead.carried`), so that a question read in pieces (`LexForCausalLM.reading_spans`) hands what its
-words point to on to the token that answers (on SmolLM2-135M, benchmarks/RESULTS.md: of a key hidden in natural
-text at 90% of 32k tokens, the question read in pieces of 64 without this read the block in 21 of the last token's
-30 layers, and the key was missed; with it in 30 of 30, recalled; carried whole, not over the layers, what the
-filler had found outweighed the question). The best floor(k / 3)
-blocks are read each with the blocks beside it, so that a passage cut by a block boundary is read whole; the slots
-left take the best of the rest (of equal scores, always the later block).
-These min(k, candidates) blocks are read in the last of the k slots (the first are empty, masked), each run of
-consecutive blocks in stream order and the runs by their best score, the best next to the window (`placed`:
-in stream order, a key that full attention as published recalls with the document's last 1,000 tokens after it
-and misses with its last 2,000 was read about 1,650 tokens back, and missed).
-Slot s's token t sits at frame position -k*b + s*b + t: just before the query's window and after its sinks
-(visibility.memory_frame), the same for every layer. Tried on SmolLM2-135M (benchmarks/RESULTS.md): the best k
-blocks alone never read a passkey cut at token 2,048 of 4,096 whole; with a neighbour or both it was recalled; each
-key/value head choosing its own blocks read the key's block in more heads but lost a digit of a key l back; summing
-the raw logits over heads (not their softmax shares) recalled no key hidden in natural text, the shares 3 of 3 at
-10% depth. A passage read again 8,192 tokens later (benchmarks/memory_reread.py): each layer choosing by the last
-query and its own scores read the passage's first reading in 43 of 90 layer reads (NLL 1.78, full attention 0.73;
-the passage's blocks forced into every layer, 0.76); by the last 16 queries, 1.47; by the scores summed up the
-layers, 1.15; by both with the last 64 queries (one block's worth), 0.95 (the passage's first block, which the end
-of the passage does not look for, missing in 20 of 30 layers), and 128, 0.94; by both with 64 queries spread over
-the forward, 0.73; but a passage at 5,120 not (1.68 against 0.69): blocks that every query attends to won the sum;
-with each share squared, 0.74 and 0.71.
+In short: keys and values that leave a LexCache's window part are appended here in stream order, without positions
+(RoPE keys rotated back to position 0: `MemoryTerms.unrotate`), in blocks of b = `attention_memory_block_size`, each
+complete block with `representative_count(b)` representative keys (its keys of largest norm). Each layer scores the
+candidate blocks (`MemoryRead.candidates`) for the forward's choosing queries (`choosing_queries`), adds the score
+to the forward's `Evidence` (the layers below it, and what the last forward that chose found) and reads the blocks
+`choose_blocks` picks by it, in the slots `placed` orders. A choice, like everything a forward reads, is held only
+when the forward commits.
 
 The store grows with the document by its keys' and values' bytes (the model's dtype) plus the representatives (a
-quarter of each block's keys); attention per token stays O(S + k*b + w), and choosing the blocks reads the
-representatives of every candidate block (E / 4 keys per key/value head): once per forward of more than one
-token, and while decoding once per completed block (every b steps in sliding mode: choosing at every step made
-decoding the memory's main cost, benchmarks/RESULTS.md). With `directory` set, the keys and values live in
-memory-mapped files there (unlinked at once: their space is the process's until it drops them, and the files
-vanish with it; the kernel writes their pages out and reads them back, so the store may outgrow RAM); the
-representatives, a ninth of the store's bytes, which every choice reads whole, stay in RAM.
+quarter of each block's keys); attention per token stays O(S + k*b + w), and choosing reads the representatives of
+every candidate block: once per forward of more than one token, and while decoding once per completed block. With
+`directory` set, the keys and values live in memory-mapped files there (unlinked at once: their space is the
+process's until it drops them; the kernel writes their pages out and reads them back, so the store may outgrow
+RAM); the representatives, which every choice reads whole, stay in RAM.
 """
 
 import os
@@ -68,6 +30,7 @@ import torch
 from torch import nn
 
 from .record import MemoryRead
+from .visibility import memory_piece
 
 
 def representative_count(block: int) -> int:
@@ -200,6 +163,37 @@ def placed(chosen: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     return chosen.gather(-1, best.gather(-1, run).sort(dim=-1, stable=True).indices)
 
 
+def choosing_queries(config, query: torch.Tensor) -> torch.Tensor:
+    """The queries (B, Hq, T, d) -> (B, Hq, m, d) that choose a forward's blocks: all of a forward of at most p
+    tokens (`memory_piece`), else b spread over it (every ceil(T / b)-th, ending at its last)."""
+    length = query.shape[2]
+    chooser = length if length <= memory_piece(config) else config.attention_memory_block_size
+    step = -(-length // chooser)
+    return query[:, :, (length - 1) % step :: step]
+
+
+class Evidence:
+    """The block scores one forward gathers, layer by layer (`MemoryRead.candidates`' blocks): it starts from what
+    the last forward that chose found (`carried`, one layer's worth), and each layer that scores adds its own, so a
+    layer chooses by its scores and those of the layers below it. Owned by the cache for one forward."""
+
+    def __init__(self, carried: torch.Tensor) -> None:
+        self.carried = carried
+        self.total = carried.clone()
+        self.layers_scored = 0
+
+    def add(self, scores: torch.Tensor) -> torch.Tensor:
+        """A layer's scores joined to the evidence; the evidence it chooses by."""
+        self.total += scores
+        self.layers_scored += 1
+        return self.total
+
+    def found(self) -> torch.Tensor | None:
+        """What this forward found, one layer's worth (what the next forward starts from); None where no layer
+        scored (each read the last choice's blocks)."""
+        return (self.total - self.carried) / self.layers_scored if self.layers_scored else None
+
+
 class BlockMemory:
     """One layer's evicted keys and values (raw, stream order) and their blocks' representatives."""
 
@@ -258,29 +252,34 @@ class BlockMemory:
             span = self.keys[:, :, complete * self.block : self.blocks * self.block]
             self.representatives[:, :, :, complete : self.blocks] = block_representatives(span, self.block)
 
-    def read(self, query: torch.Tensor, read: MemoryRead) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, query: torch.Tensor, read: MemoryRead, evidence: Evidence) -> tuple[torch.Tensor, torch.Tensor]:
         """The k slots' keys and values (B, H, k*block, d) for the forward's choosing queries (B, Hq, m, d), raw; the
-        empty slots (first) hold block 0, masked by the plan. This layer's scores join the forward's evidence (the
-        layers below it), which chooses; a forward of one token among the same complete blocks as the last choice
-        (a decoding step before the next block completes) reads the blocks chosen then, as they were read then
-        (held with the choice: gathering them again at every step was a tenth of a decoding step at 4k tokens). A
-        new choice is held from `commit` on, so a forward that raises leaves none. The tensors returned are read,
-        never written."""
+        empty slots (first) hold block 0, masked by the plan. This layer's scores join the forward's `evidence`,
+        which chooses; a forward of one token among the same complete blocks as the last choice (a decoding step
+        before the next block completes) reads the blocks chosen then, as they were read then (held with the
+        choice: gathering them again at every step was a tenth of a decoding step at 4k tokens). A new choice is
+        held from `commit` on; `discard` (a forward that raised) drops it. The tensors returned are read, never
+        written."""
         blocks = read.candidates.shape[1]
         if query.shape[2] > 1 or self.chosen is None or blocks != self.chosen_among:
-            scores = block_scores(query, self.representatives[:, :, :, :blocks], read.candidates)
-            read.evidence += scores
-            read.layers_scored += 1
-            chosen = choose_blocks(torch.where(read.candidates, read.evidence, -torch.inf), self.slots)
+            total = evidence.add(block_scores(query, self.representatives[:, :, :, :blocks], read.candidates))
+            chosen = choose_blocks(torch.where(read.candidates, total, -torch.inf), self.slots)
             self.pending = chosen, blocks, (self._blocks(self.keys, chosen), self._blocks(self.values, chosen))
             return self.pending[2]
         self.pending = None
         return self.recalled
 
-    def commit(self) -> None:
-        """The forward completed: its choice, if it made one, is the one later steps read."""
+    def commit(self, evicted: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """The forward completed: its choice, if it made one, is the one later steps read, and the keys and values
+        it `evicted` from the window part (B, H, n, d), if any, are held."""
         if self.pending is not None:
             (self.chosen, self.chosen_among, self.recalled), self.pending = self.pending, None
+        if evicted is not None:
+            self.append(*evicted)
+
+    def discard(self) -> None:
+        """The forward raised: its choice, if it made one, is dropped."""
+        self.pending = None
 
     def _blocks(self, held: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """held (B, H, capacity, d) at blocks chosen (B, k), -1 read as block 0 -> (B, H, k*block, d): whole blocks
@@ -302,4 +301,7 @@ class BlockMemory:
             self.chosen, self.recalled = function(self.chosen), tuple(map(function, self.recalled))
 
 
-__all__ = ["BlockMemory", "block_representatives", "block_scores", "choose_blocks", "placed", "representative_count"]
+__all__ = [
+    "BlockMemory", "Evidence", "block_representatives", "block_scores", "choose_blocks", "choosing_queries", "placed",
+    "representative_count",
+]

@@ -29,11 +29,12 @@ from transformers.utils.output_capturing import capture_outputs
 
 from configuration_lex.configuration_lex import LexConfig
 
-from .cache import LEX_CACHES, LexCache, LexStaticCache
+from .cache import LEX_CACHES, LexCache, LexStaticCache, forward_step
 from .generation import CACHE_NAME, LexGenerationMixin, accepts_both_cache_names, cache_field
 from .inputs import begin_forward
 from .kernels import eager_attention_forward, run_attention
 from .masking import AttentionPlan, build_plan
+from .memory import choosing_queries
 from .positions import position_method
 from .visibility import memory_piece, memory_tokens
 from .xpos import sinusoidal_embedding
@@ -172,16 +173,13 @@ class LexAttention(nn.Module):
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = query.transpose(1, 2), key.transpose(1, 2)
         value = self.v_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
-        cache_kwargs = plan.cache_kwargs
-        if cache_kwargs is not None and cache_kwargs.get("memory") is not None:  # these queries find the blocks:
-            # all of a forward of at most p tokens, else b spread over it (every step-th, ending at the last)
-            chooser = length if length <= memory_piece(self.config) else self.config.attention_memory_block_size
-            step = -(-length // chooser)
-            retrieving = query[:, :, (length - 1) % step :: step]
-            cache_kwargs = {**cache_kwargs, "memory_query": retrieving.detach() * self.scaling}
+        request = plan.cache_request
+        if request.memory is not None and request.memory.read is not None:  # these queries choose the blocks
+            request = dataclasses.replace(request,
+                                          memory_query=choosing_queries(self.config, query).detach() * self.scaling)
         query, key = plan.encode_tokens(query), plan.encode_tokens(key)
         if cache is not None:
-            key, value = cache.update(key, value, self.layer_idx, cache_kwargs)
+            key, value = cache.update(key, value, self.layer_idx, request)
         dropout = self.config.attention_dropout if self.training else 0.0
         interface = eager_attention_forward
         # Maps come from the eager computation, whatever the backend; so do capped scores (SDPA cannot cap them).
@@ -201,10 +199,11 @@ def without_positions(plan: AttentionPlan) -> AttentionPlan:
     of its sink slots), so dropping those leaves plain attention under the same masks."""
     tiles = [dataclasses.replace(tile, sink_query_factors=None, sink_key_rotation=None, memory_place=None)
              for tile in plan.tiles]
-    cache_kwargs = {**plan.cache_kwargs, "sink_rotation": None}
-    if plan.cache_kwargs.get("memory") is not None:  # the block memory's keys: raw, and raw when evicted
-        cache_kwargs["memory"] = dataclasses.replace(plan.cache_kwargs["memory"], place=None, unrotate=None)
-    return dataclasses.replace(plan, tiles=tiles, token_factors=None, cache_kwargs=cache_kwargs)
+    memory = plan.cache_request.memory
+    if memory is not None:  # the block memory's keys: raw, and raw when evicted
+        memory = dataclasses.replace(memory, place=None, unrotate=None)
+    request = dataclasses.replace(plan.cache_request, sink_rotation=None, memory=memory)
+    return dataclasses.replace(plan, tiles=tiles, token_factors=None, cache_request=request)
 
 
 class LexDecoderLayer(GradientCheckpointingLayer):
@@ -362,17 +361,16 @@ class LexModel(LexPreTrainedModel):
         hidden_states = self.embed(input_ids, inputs_embeds, record.context.query_positions)
         rope_layers, local_layers = self.config.rope_layers, self.config.local_layers
         plans = {}  # (local, rotary) -> the plan of such layers, made once per forward
-        for index, layer in enumerate(self.layers):
-            kind = (local_layers is not None and local_layers[index], rope_layers is None or rope_layers[index])
-            if kind not in plans:
-                layer_plan = plan
-                if kind[0]:  # a local layer: its own window and rope over the same record
-                    layer_plan = build_plan(self.local_config, self.local_position_method, record,
-                                            self.embed_tokens.weight.dtype, attention_maps=bool(maps))
-                plans[kind] = layer_plan if kind[1] else without_positions(layer_plan)
-            hidden_states = layer(hidden_states, plan=plans[kind], cache=cache, **kwargs)
-        if isinstance(cache, LEX_CACHES):  # every layer ran: the cache keeps what the record says
-            cache.commit(record)
+        with forward_step(cache, record):  # the cache keeps what the record says once every layer ran
+            for index, layer in enumerate(self.layers):
+                kind = (local_layers is not None and local_layers[index], rope_layers is None or rope_layers[index])
+                if kind not in plans:
+                    layer_plan = plan
+                    if kind[0]:  # a local layer: its own window and rope over the same record
+                        layer_plan = build_plan(self.local_config, self.local_position_method, record,
+                                                self.embed_tokens.weight.dtype, attention_maps=bool(maps))
+                    plans[kind] = layer_plan if kind[1] else without_positions(layer_plan)
+                hidden_states = layer(hidden_states, plan=plans[kind], cache=cache, **kwargs)
         if self.norm is not None:
             hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, **cache_field(cache))
@@ -418,7 +416,7 @@ class LexForCausalLM(LexPreTrainedModel, LexGenerationMixin, GenerationMixin):
         of them that fall on the question choose among blocks by what the filler before it looks for, and its later
         queries have a gap of up to T - 1 keys between the memory (what the cache had evicted when the forward
         began) and their window. In pieces more of the question's queries choose, and each forward starts from what
-        the one before it found (`MemoryRead.carried`), so the token that predicts the next one reads the blocks the
+        the one before it found (`Evidence.carried`), so the token that predicts the next one reads the blocks the
         whole question points to (benchmarks/RESULTS.md: keys hidden in natural text at 90% of 32k tokens, 3 of 3
         recalled against 0 of 3 read w at a time); the last p / 4 tokens, read without the filler before them, hand
         on what the question's own words find (natural text at 50% of 32k: 2 of 3 against 0 of 3 with blocks of 16).

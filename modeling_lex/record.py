@@ -3,13 +3,17 @@
 A forward of a LEX model has three moments, and only the last changes a cache:
 1. begin: `Stream.begin` (stream.py, through `inputs.begin_forward`) makes the forward's `ForwardRecord` from
    the caller's inputs and the stream as it is, before any layer runs. Nothing changes.
-2. each layer: `cache.update(key, value, layer_idx, plan.cache_kwargs)` hands the layer's new keys to the cache,
-   which returns the keys and values attention reads (sink slots first). What it holds does not change.
-3. commit: after the last layer, `cache.commit(record)` keeps what the record says (the sink slots' new contents,
-   the last `keep` window keys) in every layer and moves the stream to `record.stream_after`. A forward that
-   raises before it leaves the cache as it was.
+2. each layer: inside `with cache.forward(record):`, `cache.update(key, value, layer_idx, request)` hands the
+   layer's new keys and the plan's `CacheRequest` to the cache, which returns the keys and values attention reads
+   (sink slots first). What it holds does not change (transformers names the method; it reads, it does not store).
+3. commit: when the block ends after the last layer, the cache keeps what the record says (the sink slots' new
+   contents, the last `keep` window keys, the evicted keys in the block memory) in every layer and moves the
+   stream to `record.stream_after`. A forward that raises leaves the cache as it was: the block discards what the
+   layers read.
 
-The masks and tiles (masking.py) are a pure function of the record; they import neither the cache nor the stream.
+Records, contexts and requests are frozen: the masks and tiles (masking.py) are a pure function of the record,
+and they import neither the cache nor the stream. The one thing a forward gathers from layer to layer, the block
+memory's evidence, is the cache's for the length of the block (memory.py, `Evidence`).
 
 Shared terms (record.py, stream.py, cache.py, inputs.py, masking.py and kernels.py use each in this sense only):
 - stream index: token i of a row has stream index i. `seen`: how many tokens the stream has had.
@@ -20,12 +24,13 @@ Shared terms (record.py, stream.py, cache.py, inputs.py, masking.py and kernels.
   part among the keys it returns. `sink_slots`: how many a cache has now (a LexCache none before its first dropped
   key, a LexStaticCache from the start; none where a cache never drops a key).
 - record: a `ForwardRecord`; `keep`: how many window keys the cache holds after the forward.
+- request: a `CacheRequest`, what a layer hands the cache with its keys.
 - evicted: window keys a cache has dropped for good (stream indices 0 ... E - 1 of the row). With a block memory
   (`attention_memory_blocks`, memory.py) the cache keeps them in blocks; `memory`: what one forward reads there.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -53,7 +58,7 @@ class StreamState:
             getattr(self, f.name).copy_(getattr(other, f.name))
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttentionContext:
     """Where the keys of one forward come from and what each query may see (shared by all layers).
 
@@ -74,7 +79,7 @@ class AttentionContext:
     allowed: torch.Tensor | None = None  # (B, 1, T, K) bool from a caller's own 4D mask, on top of the window
 
 
-@dataclass
+@dataclass(frozen=True)
 class StreamAfter:
     """The stream's metadata after the forward, which `Stream.commit` stores (see stream.py for each field)."""
 
@@ -93,31 +98,39 @@ class StreamAfter:
     memory_valid: torch.Tensor | None  # (B, E): whether each evicted token is real (block memory only)
 
 
-@dataclass
+@dataclass(frozen=True)
 class MemoryRead:
     """What a forward reads of the block memory (the same for every layer; which blocks, each layer's own)."""
 
     candidates: torch.Tensor  # (B, blocks) bool: complete, all real, after the sinks of the last query's document
     token_valid: torch.Tensor  # (B, k * block) bool: the slot holds a block (the last min(k, candidates) slots)
     document: torch.Tensor  # (B,) stream index where the last query's document starts: its queries read the memory
-    carried: torch.Tensor  # (B, blocks) float32: the evidence this forward starts from (the last choice's, memory.py)
-    evidence: torch.Tensor  # (B, blocks) float32: `carried` plus the block scores of the layers read so far
-    layers_scored: int = 0  # layers that scored the blocks in this forward (none: each read the last choice's)
 
 
-@dataclass
+@dataclass(frozen=True)
 class MemoryTerms:
-    """What each layer's cache gets with its keys for the block memory (the plan's `cache_kwargs["memory"]`)."""
+    """What each layer's cache gets with its keys for the block memory (`CacheRequest.memory`)."""
 
     read: MemoryRead | None  # None: nothing to read in this forward
     place: torch.Tensor | None  # (B, 1, k * block, d): rotation of the raw memory keys into their slots (RoPE)
     unrotate: torch.Tensor | None  # (B, 1, dropped, d): undoes the rotation of the keys this forward evicts (RoPE)
 
 
-@dataclass
+@dataclass(frozen=True)
+class CacheRequest:
+    """What a layer hands a LEX cache with its new keys (`cache.update(key, value, layer_idx, request)`): the same
+    for every layer of a forward but `memory_query`. Other caches take it as an extra argument they ignore."""
+
+    sink_rotation: torch.Tensor | None = None  # the rotation of the cache's copy of its sink slots (RoPE), if any
+    memory: MemoryTerms | None = None  # what to read of the block memory and how to place it (None: no memory)
+    memory_query: torch.Tensor | None = None  # (B, Hq, m, d) this layer's choosing queries, times the scale
+
+
+@dataclass(frozen=True)
 class ForwardRecord:
     """What one forward reads and what the cache keeps after it: made by `Stream.begin` for every cache and for
-    none, read by the plan (masking.py) and by each layer's `cache.update`, applied by `cache.commit`."""
+    none, read by the plan (masking.py) and by each layer's `cache.update`, applied when `cache.forward(record)`
+    ends."""
 
     context: AttentionContext
     keep: int | None  # window keys a cache holds after this forward (None: all of them)
@@ -126,20 +139,18 @@ class ForwardRecord:
     aligned: bool  # each row one document whose blocks start where the new tokens' chunks do
     stream_after: StreamAfter
     memory: MemoryRead | None = None  # what this forward reads of the block memory (None: nothing)
+    # Read by every layer, so fields (set from the context when the record is made), not properties:
+    new_tokens: int = field(init=False)  # T
+    sink_slots: int = field(init=False)  # the sink slots in front of the keys the cache returns in this forward
+    dropped: int = field(init=False)  # window keys this forward evicts (the oldest after the sink slots)
 
-    @property
-    def dropped(self) -> int:
-        """Window keys this forward evicts (the oldest of those the cache returns after its sink slots)."""
-        return 0 if self.keep is None else self.context.key_index.shape[0] - self.keep
-
-    @property
-    def sink_slots(self) -> int:
-        """The sink slots in front of the keys the cache returns in this forward."""
-        return self.context.sink_index.shape[1]
-
-    @property
-    def new_tokens(self) -> int:
-        return self.context.query_index.shape[0]
+    def __post_init__(self) -> None:
+        held = self.context.key_index.shape[0]
+        object.__setattr__(self, "new_tokens", self.context.query_index.shape[0])
+        object.__setattr__(self, "sink_slots", self.context.sink_index.shape[1])
+        object.__setattr__(self, "dropped", 0 if self.keep is None else held - self.keep)
 
 
-__all__ = ["AttentionContext", "ForwardRecord", "MemoryRead", "MemoryTerms", "StreamAfter", "StreamState"]
+__all__ = [
+    "AttentionContext", "CacheRequest", "ForwardRecord", "MemoryRead", "MemoryTerms", "StreamAfter", "StreamState",
+]

@@ -16,7 +16,7 @@ A `Stream` holds, per key of the window part (oldest first, consecutive stream i
 whether it is a real token, and the stream's state after it, so that `roll_back` returns exactly to any earlier
 point it still holds (assisted decoding, the rollback section); per row its sink slots' metadata, the first
 S tokens of the row's current document, kept after the window has moved past them; and with a block memory, per
-row, whether each evicted token is real and what the last forward that chose blocks found (memory.py).
+row, whether each evicted token is real (memory.py).
 """
 
 from collections.abc import Callable
@@ -89,8 +89,6 @@ class Stream:
         # The block memory (memory.py): whether each evicted token is real, (B, E); None without one.
         self.memory = bool(config.attention_memory_blocks) and not static and not unbounded
         self.memory_valid: torch.Tensor | None = None
-        # (B, blocks then): what the last forward that chose blocks found, per layer (memory.py); None before one
-        self.memory_evidence: torch.Tensor | None = None
 
     @property
     def held(self) -> int:
@@ -195,17 +193,13 @@ class Stream:
             self.seen, self.after, self.state, self.base = after.seen, after.after, after.state, after.base
         self.sink_slots, self.floor = after.sink_slots, after.floor
         self.memory_valid = after.memory_valid
-        read = record.memory
-        if read is not None and read.layers_scored:  # a forward that chose: its own finds, one layer's worth
-            self.memory_evidence = (read.evidence - read.carried) / read.layers_scored
 
     # ------------------------------------------------------------------------------------------------ block memory
 
     def _memory_read(self, document: torch.Tensor) -> MemoryRead | None:
         """What this forward reads of the block memory (memory.py): the complete blocks of evicted tokens, all real
-        and after the sinks of the document of the forward's last query (which starts at `document`, (B,)), the
-        slots they fill, and the evidence the forward starts from: what the last forward that chose found; None where
-        no row has a candidate."""
+        and after the sinks of the document of the forward's last query (which starts at `document`, (B,)), and the
+        slots they fill; None where no row has a candidate."""
         slots, block = self.config.attention_memory_blocks, self.config.attention_memory_block_size
         blocks = self.memory_valid.shape[1] // block
         if blocks == 0:
@@ -217,10 +211,7 @@ class Stream:
         if not bool(count.any()):
             return None
         filled = torch.arange(slots, device=document.device)[None, :] >= slots - count[:, None]
-        carried = torch.zeros(candidates.shape, device=document.device)
-        if self.memory_evidence is not None:  # (blocks complete since then: nothing carried)
-            carried[:, : self.memory_evidence.shape[1]] = self.memory_evidence
-        return MemoryRead(candidates, filled.repeat_interleave(block, dim=1), document, carried, carried.clone())
+        return MemoryRead(candidates, filled.repeat_interleave(block, dim=1), document)
 
     # ------------------------------------------------------------------------------------------------ sink slots
 
@@ -350,8 +341,6 @@ class Stream:
         self.sink_valid = function(self.sink_valid)
         if self.memory_valid is not None:
             self.memory_valid = function(self.memory_valid)
-        if self.memory_evidence is not None:
-            self.memory_evidence = function(self.memory_evidence)
         self.after, self.base, self.state = self.after.map(function), self.base.map(function), self.state.map(function)
 
 

@@ -1,5 +1,5 @@
 """The cache's state has one owner: a forward begins (its record, nothing changed), each layer's `cache.update`
-returns what attention reads, and `cache.commit` after the last layer keeps what the record says. So a forward
+returns what attention reads, and the end of `with cache.forward(record):` keeps what the record says. So a forward
 that raises leaves a cache exactly as it was, reading `keys`/`values` changes nothing, and attention never writes
 a tensor the cache returned."""
 
@@ -132,7 +132,7 @@ def test_attention_never_writes_what_the_cache_returned(mode, sinks, rule, kind,
     def watched(module, interface, query, key, value, plan, *args, **kwargs):
         versions = key._version, value._version
         out = original(module, interface, query, key, value, plan, *args, **kwargs)
-        calls.append(plan.cache_kwargs["sink_rotation"] is not None)
+        calls.append(plan.cache_request.sink_rotation is not None)
         if (key._version, value._version) != versions:
             written.append(module.layer_idx)
         return out

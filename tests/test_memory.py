@@ -335,9 +335,9 @@ def test_reordered_rows_keep_their_chosen_blocks(monkeypatch):
         assert not scored  # no block completed since: the step read the blocks chosen before it
         torch.testing.assert_close(model(step[[1, 0]], cache=swapped).logits, expected, atol=1e-6, rtol=0)
         monkeypatch.undo()
-        carried = cache.stream.memory_evidence
+        carried = cache.memory_evidence
         assert not torch.equal(*carried)  # the rows carry different evidence, and each its own after the reorder
-        assert torch.equal(swapped.stream.memory_evidence, carried[[1, 0]])
+        assert torch.equal(swapped.memory_evidence, carried[[1, 0]])
         among = cache.layers[0].memory.chosen_among
         for _ in range(BLOCK):  # sliding: a block completes within b steps, and that step chooses
             expected = model(step, cache=cache).logits[[1, 0]]
