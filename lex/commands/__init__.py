@@ -270,3 +270,72 @@ def check_quantize(parser: argparse.ArgumentParser, quantize: str | None, device
     if quantize and device != "cpu":
         parser.error(f"{parser.flag('quantize')} {quantize} lays the weights out for the CPU's kernels; "
                      f"{parser.flag('device')} {device} (allowed: cpu)")
+
+
+# ---------------------------------------------------------------- how a model reads: the --attention_* flags
+
+READING_HELP = {
+    "attention_mode": "blockwise, sliding or full (default: the model's own; a converted checkpoint's: what it "
+                      "computes, full or sliding for a sliding window)",
+    "attention_window": "w, the window of blockwise and sliding modes (even, >= 4; default: the model's own; a "
+                        "converted checkpoint's: its sliding window, else max_position_embeddings)",
+    "attention_sinks": "S: the first S tokens of a document stay visible to every later token in blockwise and "
+                       "sliding modes (default: the model's own; a converted checkpoint's: 0)",
+    "attention_sink_positions": "where a query sees its sinks from: cache (within the cache, StreamingLLM's rule; a "
+                                "converted checkpoint's default) or true (at their true positions)",
+    "attention_memory_blocks": "k: a block memory past the window in blockwise and sliding modes, the k best blocks "
+                               "of the evicted keys read by every query chunk and decoded token (0: none; default: "
+                               "the model's own; a converted checkpoint's: 0)",
+    "attention_memory_block_size": "tokens per memory block (default: the model's own; a converted checkpoint's: "
+                                   "LexConfig's, 16)",
+}
+
+
+def add_reading_arguments(parser: argparse.ArgumentParser, *, sweep: bool = False, **defaults) -> None:
+    """The --attention_* flags that say how a model reads, one help text each for every command. `sweep` (lex
+    eval-length): --attention_modes and comma-separated values, one reading per combination; `defaults`: a
+    command's own default of a flag where it has one (convert-hf writes a folder, so nothing is "the model's")."""
+    from configuration_lex import ATTENTION_MODES, SINK_POSITIONS
+
+    def add(name: str, help_prefix: str = "", **kwargs) -> None:
+        if name in defaults:
+            kwargs["default"] = defaults[name]
+        text = READING_HELP["attention_mode" if name == "attention_modes" else name]
+        parser.add_argument(f"--{name}", help=help_prefix + text, **kwargs)
+
+    if sweep:
+        add("attention_modes", "comma-separated modes, each one reading: ", default="full,blockwise",
+            type=comma_list(ATTENTION_MODES))
+        add("attention_window", type=positive_int)
+        add("attention_sinks", "comma-separated, e.g. 0,4: ", default=(0,), type=non_negative_ints)
+        add("attention_sink_positions", "comma-separated: ", type=comma_list(SINK_POSITIONS))
+        add("attention_memory_blocks", "comma-separated, e.g. 0,64 (rows labelled attention_memory_blocks; full "
+            "attention rows with 0 only): ", type=non_negative_ints)
+    else:
+        add("attention_mode", choices=ATTENTION_MODES)
+        add("attention_window", type=positive_int)
+        add("attention_sinks", type=int)
+        add("attention_sink_positions", choices=SINK_POSITIONS)
+        add("attention_memory_blocks", type=int)
+    add("attention_memory_block_size", type=positive_int)
+
+
+def check_reading_arguments(parser: Spellings, args: argparse.Namespace) -> None:
+    """The checks of add_reading_arguments' flags that a type cannot make: one-value counts >= 0; in a sweep, a
+    block size only with a memory to size (every reading of it labelled by both) and no memory over full attention
+    alone (it sees every key already). One reading leaves the rest to the config, which names the field."""
+    if not hasattr(args, "attention_modes"):
+        for dest in ("attention_sinks", "attention_memory_blocks"):
+            value = getattr(args, dest)
+            if value is not None and value < 0:
+                parser.error(f"{parser.flag(dest)} must be >= 0{' (0: no memory)' if 'memory' in dest else ''}, "
+                             f"got {value}")
+        return
+    blocks = args.attention_memory_blocks or ()
+    if args.attention_memory_block_size is not None and not any(blocks):
+        parser.error(f"{parser.flag('attention_memory_block_size')} {args.attention_memory_block_size} sizes the "
+                     f"block memory: give {parser.flag('attention_memory_blocks')} with a value > 0 too")
+    if any(blocks) and set(args.attention_modes) == {"full"}:
+        parser.error(f"{parser.flag('attention_memory_blocks')} {','.join(map(str, blocks))} with "
+                     f"{parser.flag('attention_modes')} full: full attention sees every key, a memory of evicted ones "
+                     "has nothing to add (allowed: blockwise or sliding modes, or attention_memory_blocks 0)")

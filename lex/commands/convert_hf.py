@@ -5,9 +5,8 @@ from pathlib import Path
 
 import torch
 
-from configuration_lex import ATTENTION_MODES, SINK_POSITIONS
 from convert import hf
-from lex.commands import LexArgumentParser, add_quantize_argument, positive_int
+from lex.commands import LexArgumentParser, add_quantize_argument, add_reading_arguments, check_reading_arguments
 from lex.model_card import write_conversion_card
 from lex.models import DTYPES
 from lex.quantization import quantize_folder
@@ -20,20 +19,7 @@ def convert_hf_parser() -> LexArgumentParser:
                                                 "Gemma 3 folder, or a .gguf file of one but SmolLM3 (or a folder "
                                                 "of one)")
     parser.add_argument("out", type=Path, help="the LEX folder to write")
-    parser.add_argument("--attention_mode", choices=ATTENTION_MODES,
-                        help="default: what the source computes (full, or sliding for a sliding window)")
-    parser.add_argument("--attention_window", type=positive_int,
-                        help="w (even, >= 4); default: the source's sliding window, else max_position_embeddings")
-    parser.add_argument("--attention_sinks", type=int, default=0,
-                        help="S: the first S tokens of each document stay visible in blockwise and sliding modes")
-    parser.add_argument("--attention_sink_positions", choices=SINK_POSITIONS, default="cache",
-                        help="where a query sees its sinks from: within the cache (StreamingLLM's rule, the "
-                             "default) or at their true positions")
-    parser.add_argument("--attention_memory_blocks", type=int, default=0,
-                        help="k: a block memory past the window in blockwise and sliding modes, the k best of the "
-                             "evicted blocks read by every query chunk and decoded token (default 0: none)")
-    parser.add_argument("--attention_memory_block_size", type=positive_int,
-                        help="tokens per memory block (default: LexConfig's, 16)")
+    add_reading_arguments(parser, attention_sinks=0, attention_sink_positions="cache", attention_memory_blocks=0)
     parser.add_argument("--position_embedding_type", choices=hf.RETROFITS, default="rope",
                         help="rope (the source's) or xpos: the same rotation plus xPos's scale, "
                              "xpos_scale_base = max_position_embeddings / 2 (needs fine-tuning)")
@@ -46,11 +32,7 @@ def convert_hf_parser() -> LexArgumentParser:
 def main_convert_hf(argv: list[str] | None = None) -> int:
     parser = convert_hf_parser()
     args = parser.parse_args(argv)
-    if args.attention_sinks < 0:
-        parser.error(f"{parser.flag('attention_sinks')} must be >= 0, got {args.attention_sinks}")
-    if args.attention_memory_blocks < 0:
-        parser.error(f"{parser.flag('attention_memory_blocks')} must be >= 0 (0: no memory), got "
-                     f"{args.attention_memory_blocks}")
+    check_reading_arguments(parser, args)
     convert = dict(attention_sinks=args.attention_sinks, attention_sink_positions=args.attention_sink_positions,
                    position_embedding_type=args.position_embedding_type,
                    attention_memory_blocks=args.attention_memory_blocks,

@@ -18,11 +18,10 @@ from pathlib import Path
 
 import torch
 
-from configuration_lex import ATTENTION_MODES, SINK_POSITIONS
 from convert.hf import SOURCE_TYPES, lex_from_hf
 from lex.commands import (
-    LexArgumentParser, add_quantize_argument, check_quantize, comma_list, non_negative_ints, positive_int,
-    positive_ints, require_device,
+    LexArgumentParser, add_quantize_argument, add_reading_arguments, check_quantize, check_reading_arguments,
+    comma_list, positive_int, positive_ints, require_device,
 )
 from lex.data import DataError, evaluation_texts, tokenized_documents
 from lex.models import attention_modes, attention_variants, load_tokenizer, model_config
@@ -41,25 +40,7 @@ def build_parser() -> LexArgumentParser:
     parser.add_argument("--files", help="globs of evaluation text files; default: the held-out KJV books")
     parser.add_argument("--lengths", default="256,512,1024,2048", type=positive_ints,
                         help="comma-separated evaluation lengths")
-    parser.add_argument("--attention_modes", default="full,blockwise",
-                        type=comma_list(ATTENTION_MODES),
-                        help=f"comma-separated: {','.join(ATTENTION_MODES)}")
-    parser.add_argument("--attention_sinks", default=(0,), type=non_negative_ints,
-                        help="comma-separated numbers of attention sinks for blockwise and sliding modes, e.g. 0,4")
-    parser.add_argument("--attention_sink_positions", type=comma_list(SINK_POSITIONS),
-                        help="comma-separated rules for readings with sinks: where a query sees its sinks from, "
-                             f"{' or '.join(SINK_POSITIONS)} (default: each model's own; a converted checkpoint's: "
-                             "cache)")
-    parser.add_argument("--attention_memory_blocks", type=non_negative_ints,
-                        help="comma-separated numbers of block-memory blocks k for blockwise and sliding modes, e.g. "
-                             "0,64 (rows labelled attention_memory_blocks; full attention rows with 0 only); "
-                             "default: each model's own, unlabelled")
-    parser.add_argument("--attention_memory_block_size", type=positive_int,
-                        help="tokens per memory block of the readings with memory (default: each model's own; a "
-                             "converted checkpoint's: LexConfig's, 16)")
-    parser.add_argument("--attention_window", type=positive_int,
-                        help="the window of blockwise and sliding modes (default: the model's; a converted "
-                             "checkpoint's, its training length)")
+    add_reading_arguments(parser, sweep=True)
     parser.add_argument("--document_tokens", type=positive_int,
                         help="score each document's first N tokens at every length (default: the longest length); "
                              "with more, lengths read by different runs are scored on the same tokens")
@@ -82,14 +63,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.document_tokens is not None and args.document_tokens < max(args.lengths):
         parser.error(f"{parser.flag('document_tokens')} {args.document_tokens} is shorter than the longest of "
                      f"{parser.flag('lengths')}, {max(args.lengths)}")
-    memory = args.attention_memory_blocks
-    if args.attention_memory_block_size is not None and not any(memory or ()):
-        parser.error(f"{parser.flag('attention_memory_block_size')} {args.attention_memory_block_size} sizes the "
-                     f"block memory: give {parser.flag('attention_memory_blocks')} with a value > 0 too")
-    if any(memory or ()) and set(args.attention_modes) == {"full"}:
-        parser.error(f"{parser.flag('attention_memory_blocks')} {','.join(map(str, memory))} with "
-                     f"{parser.flag('attention_modes')} full: full attention sees every key, a memory of evicted ones "
-                     "has nothing to add (allowed: blockwise or sliding modes, or attention_memory_blocks 0)")
+    check_reading_arguments(parser, args)
     if args.output_dir.exists() and not args.output_dir.is_dir():
         parser.error(f"{parser.flag('output_dir')} {args.output_dir}: a file, not a folder")
     return args

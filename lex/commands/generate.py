@@ -25,9 +25,10 @@ import torch
 from tqdm.auto import tqdm
 from transformers import TextStreamer
 
-from configuration_lex import ATTENTION_MODES, SINK_POSITIONS
 from convert.hf import SOURCE_TYPES
-from lex.commands import LexArgumentParser, add_quantize_argument, check_quantize, positive_int
+from lex.commands import (
+    LexArgumentParser, add_quantize_argument, add_reading_arguments, check_quantize, check_reading_arguments,
+)
 from lex.data import DataError, check_text_file
 from lex.models import DTYPES, load_model, load_tokenizer, model_config
 from lex.quantization import weights_of
@@ -46,21 +47,7 @@ def build_parser() -> LexArgumentParser:
     parser.add_argument("--top_k", type=int, default=50)
     parser.add_argument("--top_p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--attention_mode", choices=ATTENTION_MODES,
-                        help="override the model's attention_mode (a Llama-family model is converted in memory)")
-    parser.add_argument("--attention_window", type=positive_int,
-                        help="override the window of blockwise and sliding modes (even, >= 4)")
-    parser.add_argument("--attention_sinks", type=int,
-                        help="the first N tokens stay visible to every later token in blockwise and sliding modes")
-    parser.add_argument("--attention_sink_positions", choices=SINK_POSITIONS,
-                        help="where a query sees its sinks from: within the cache (a converted checkpoint's default)"
-                             " or at their true positions")
-    parser.add_argument("--attention_memory_blocks", type=int,
-                        help="K: a block memory past the window (blockwise and sliding modes): the K best blocks of "
-                             "the evicted keys are read too (0: none; default: the model's own)")
-    parser.add_argument("--attention_memory_block_size", type=positive_int,
-                        help="tokens per memory block (default: the model's own; a converted checkpoint's: "
-                             "LexConfig's, 16)")
+    add_reading_arguments(parser)
     parser.add_argument("--memory_directory", type=Path,
                         help="keep the block memory's keys and values in memory-mapped files in this folder instead "
                              "of RAM (its representatives, a ninth of it, stay in RAM)")
@@ -79,11 +66,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"{parser.flag('max_new_tokens')} must be >= 1, got {args.max_new_tokens}")
     if not args.temperature > 0:
         parser.error(f"{parser.flag('temperature')} must be > 0, got {args.temperature}")
-    if args.attention_sinks is not None and args.attention_sinks < 0:
-        parser.error(f"{parser.flag('attention_sinks')} must be >= 0, got {args.attention_sinks}")
-    if args.attention_memory_blocks is not None and args.attention_memory_blocks < 0:
-        parser.error(f"{parser.flag('attention_memory_blocks')} must be >= 0 (0: no memory), got "
-                     f"{args.attention_memory_blocks}")
+    check_reading_arguments(parser, args)
     if args.memory_directory is not None and not args.memory_directory.is_dir():
         parser.error(f"{parser.flag('memory_directory')} {args.memory_directory}: no such folder")
     if args.top_k < 0:
