@@ -249,7 +249,7 @@ def test_export_refuses_a_quantized_folder_by_name(llama_folder, tmp_path):
 
 # ---------------------------------------------------------------- the real checkpoint
 
-HELD_OUT = ROOT.parent / "shared" / "data" / "shakespeare" / "the_tempest.txt"  # never tuned on here
+HELD_OUT = ROOT.parent / "shared" / "data" / "shakespeare" / "tempest.txt"  # never tuned on here
 
 
 @pytest.mark.slow
