@@ -160,6 +160,34 @@ def greedy_tokens(model, ids, new_tokens: int, **options) -> torch.Tensor:
     return model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=PAD, **options)
 
 
+# ---------------------------------------------------------------- tiny Llama sources, as users hold them
+
+
+def tiny_llama_source(corpus, folder, vocab_size: int, hidden_size: int, intermediate_size: int):
+    """A tiny LlamaForCausalLM (2 layers, 4 heads, 2 key-value heads) with a BPE of the corpus's *.txt files,
+    perturbed off its initialisation, saved by transformers itself in `folder` and as `tiny.gguf` beside it (where
+    the gguf package is installed). Returns (model, tokenizer, gguf path)."""
+    import importlib.util
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lex.data import train_tokenizer
+
+    tokenizer = train_tokenizer([p.read_text() for p in sorted(corpus.glob("*.txt"))], vocab_size)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = perturb(LlamaForCausalLM(config), 0)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    gguf = folder.parent / "tiny.gguf"
+    if importlib.util.find_spec("gguf"):
+        llama_gguf(gguf, model, tokenizer)
+    return model, tokenizer, gguf
+
+
 # ---------------------------------------------------------------- tiny .gguf files
 
 

@@ -18,8 +18,8 @@ import torch
 from huggingface_hub import ModelCard
 
 from lex.cli import main as lex
-from lex.data import kjv_books, train_tokenizer
-from tests.helpers import llama_gguf, perturb
+from lex.data import kjv_books
+from tests.helpers import tiny_llama_source
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["--block_size", "32", "--learning_rate", "1e-2", "--use_cpu", "--report_to", "none", "--seed", "7",
@@ -60,22 +60,9 @@ def corpus(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def llama(corpus, tmp_path_factory) -> dict:
     """A tiny LlamaForCausalLM saved by transformers itself with a BPE of the corpus, its .gguf, and tokens."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tokenizer = train_tokenizer([p.read_text() for p in sorted(corpus.glob("*.txt"))], 320)
-    config = LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    model = perturb(LlamaForCausalLM(config), 0)
     folder = tmp_path_factory.mktemp("llama") / "src"
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    _, tokenizer, gguf = tiny_llama_source(corpus, folder, 320, 32, 48)
     (folder / "README.md").write_text("---\nlicense: apache-2.0\n---\n\n# a tiny llama\n")
-    gguf = folder.parent / "tiny.gguf"
-    if importlib.util.find_spec("gguf"):
-        llama_gguf(gguf, model, tokenizer)
     tokens = tokenizer((corpus / "Genesis.txt").read_text()[:1000], return_tensors="pt").input_ids[:, :40]
     return {"folder": folder, "gguf": gguf, "tokens": tokens}
 

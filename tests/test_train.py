@@ -649,24 +649,10 @@ def test_config_overrides_are_typed_by_the_field():
 @pytest.fixture(scope="module")
 def llama_source(corpus, tmp_path_factory) -> dict:
     """A tiny LlamaForCausalLM with a BPE of the corpus, as a folder and as a llama.cpp .gguf file of it."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.helpers import tiny_llama_source
 
-    from lex.data import train_tokenizer
-    from tests.helpers import llama_gguf, perturb
-
-    tokenizer = train_tokenizer([p.read_text() for p in sorted(corpus.glob("*.txt"))], 512)
-    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    model = perturb(LlamaForCausalLM(config), 0)
     folder = tmp_path_factory.mktemp("llama") / "src"
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    gguf = folder.parent / "tiny.gguf"
-    if importlib.util.find_spec("gguf"):
-        llama_gguf(gguf, model, tokenizer)
+    model, tokenizer, gguf = tiny_llama_source(corpus, folder, 512, 64, 96)
     return {"folder": folder, "gguf": gguf, "model": model, "tokens": tokenizer(
         (corpus / "Genesis.txt").read_text()[:2000], return_tensors="pt").input_ids[:, :50]}
 
