@@ -238,6 +238,11 @@ class LexConfig(PreTrainedConfig):
         block and the previous one)."""
         return self.attention_window // 2
 
+    @property
+    def attention_scaling(self) -> float:
+        """What attention scores are scaled by: query_pre_attn_scalar^-0.5 (Gemma's), else head_dim^-0.5."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
     def validate_architecture(self):
         """Part of `@strict`-powered validation: the rules that tie several fields together."""
         super().validate_architecture()

@@ -40,7 +40,7 @@ from .generation import init_cache_layers
 from .memory import BlockMemory, Evidence
 from .record import CacheRequest, ForwardRecord, MemoryTerms
 from .stream import Stream, _mark_static
-from .visibility import memory_tokens, sink_count
+from .visibility import memory_piece, memory_tokens, sink_count
 from .xpos import apply_rotary
 
 
@@ -77,7 +77,7 @@ class LexCacheLayer(DynamicLayer):
     `commit`, and until then `keys` reads them from there. Under autograd the buffers are never written in place.
 
     With a block memory (memory.py), the keys and values `commit` drops go there, and `update` returns the blocks
-    the request's choosing queries (`memory_query`) retrieve after the new keys, as the record and the plan say
+    the layer's queries (`memory_query`) choose after the new keys, as the record and the plan say
     (`CacheRequest.memory`)."""
 
     def __init__(self, memory: BlockMemory | None = None) -> None:
@@ -340,7 +340,8 @@ class LexCache(LexCacheSteps, DynamicCache):
         if not memory_tokens(self.config):
             return None
         config = self.config
-        return BlockMemory(config.attention_memory_block_size, config.attention_memory_blocks, self.memory_directory)
+        return BlockMemory(config.attention_memory_block_size, config.attention_memory_blocks, memory_piece(config),
+                           config.attention_scaling, self.memory_directory)
 
     @property
     def memory_bytes(self) -> int:

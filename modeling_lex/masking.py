@@ -32,7 +32,7 @@ from .visibility import (
     chunk_map, locate_in_window, memory_frame, memory_tokens, seen_as_sink, sink_count, sink_frame, sink_indices,
     window_visible,
 )
-from .xpos import apply_rotary, inverse_rotation
+from .xpos import inverse_rotation
 
 
 @dataclass
@@ -79,13 +79,8 @@ class AttentionPlan:
     tiles: list[Tile]
     sink_slots: int  # the cache's sink slots, which come first among the keys it returns
     attention_maps: bool = False  # one dense tile over every key, whose weights are the full attention map
-    token_factors: torch.Tensor | None = None  # (B, 1, T, d): per-token encodings (RoPE)
+    token_factors: torch.Tensor | None = None  # (B, 1, T, d): per-token encodings (RoPE; xpos.encode_tokens)
     cache_request: CacheRequest | None = None  # what every layer hands its cache (set with the tiles)
-
-    def encode_tokens(self, x: torch.Tensor) -> torch.Tensor:
-        """The new tokens' queries or keys (B, H, T, d) encoded at their own positions, for methods that are
-        per token (the cache then holds encoded keys); unchanged otherwise."""
-        return x if self.token_factors is None else apply_rotary(x, self.token_factors)
 
 
 def additive_mask(allowed: torch.Tensor | None, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

@@ -30,7 +30,6 @@ import torch
 from torch import nn
 
 from .record import MemoryRead
-from .visibility import memory_piece
 
 
 def representative_count(block: int) -> int:
@@ -163,11 +162,12 @@ def placed(chosen: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     return chosen.gather(-1, best.gather(-1, run).sort(dim=-1, stable=True).indices)
 
 
-def choosing_queries(config, query: torch.Tensor) -> torch.Tensor:
-    """The queries (B, Hq, T, d) -> (B, Hq, m, d) that choose a forward's blocks: all of a forward of at most p
-    tokens (`memory_piece`), else b spread over it (every ceil(T / b)-th, ending at its last)."""
+def choosing_queries(query: torch.Tensor, piece: int, block: int) -> torch.Tensor:
+    """The queries (B, Hq, T, d) -> (B, Hq, m, d) that choose a forward's blocks: all of a forward of at most
+    `piece` tokens (p, `visibility.memory_piece`), else `block` (b) spread over it (every ceil(T / b)-th, ending at
+    its last)."""
     length = query.shape[2]
-    chooser = length if length <= memory_piece(config) else config.attention_memory_block_size
+    chooser = length if length <= piece else block
     step = -(-length // chooser)
     return query[:, :, (length - 1) % step :: step]
 
@@ -197,8 +197,10 @@ class Evidence:
 class BlockMemory:
     """One layer's evicted keys and values (raw, stream order) and their blocks' representatives."""
 
-    def __init__(self, block: int, slots: int, directory: str | None = None) -> None:
-        self.block, self.slots, self.directory = block, slots, directory
+    def __init__(self, block: int, slots: int, piece: int, scaling: float, directory: str | None = None) -> None:
+        """Blocks of `block` tokens, `slots` of them read; forwards of at most `piece` tokens choose with every
+        query (`choosing_queries`), scaled by `scaling` as attention scales them."""
+        self.block, self.slots, self.piece, self.scaling, self.directory = block, slots, piece, scaling, directory
         self.keys = self.values = self.representatives = None
         self.length = 0  # tokens held (E)
         self.reserved = 0  # tokens the store makes room for at its next growth (`reserve`)
@@ -253,8 +255,8 @@ class BlockMemory:
             self.representatives[:, :, :, complete : self.blocks] = block_representatives(span, self.block)
 
     def read(self, query: torch.Tensor, read: MemoryRead, evidence: Evidence) -> tuple[torch.Tensor, torch.Tensor]:
-        """The k slots' keys and values (B, H, k*block, d) for the forward's choosing queries (B, Hq, m, d), raw; the
-        empty slots (first) hold block 0, masked by the plan. This layer's scores join the forward's `evidence`,
+        """The k slots' keys and values (B, H, k*block, d) for a layer's queries (B, Hq, T, d) before positions, raw;
+        the empty slots (first) hold block 0, masked by the plan. Its `choosing_queries` score the blocks. This layer's scores join the forward's `evidence`,
         which chooses; a forward of one token among the same complete blocks as the last choice (a decoding step
         before the next block completes) reads the blocks chosen then, as they were read then (held with the
         choice: gathering them again at every step was a tenth of a decoding step at 4k tokens). A new choice is
@@ -262,7 +264,8 @@ class BlockMemory:
         written."""
         blocks = read.candidates.shape[1]
         if query.shape[2] > 1 or self.chosen is None or blocks != self.chosen_among:
-            total = evidence.add(block_scores(query, self.representatives[:, :, :, :blocks], read.candidates))
+            choosing = choosing_queries(query.detach(), self.piece, self.block) * self.scaling
+            total = evidence.add(block_scores(choosing, self.representatives[:, :, :, :blocks], read.candidates))
             chosen = choose_blocks(torch.where(read.candidates, total, -torch.inf), self.slots)
             self.pending = chosen, blocks, (self._blocks(self.keys, chosen), self._blocks(self.values, chosen))
             return self.pending[2]

@@ -34,10 +34,9 @@ from .generation import CACHE_NAME, LexGenerationMixin, accepts_both_cache_names
 from .inputs import begin_forward
 from .kernels import eager_attention_forward, run_attention
 from .masking import AttentionPlan, build_plan
-from .memory import choosing_queries
 from .positions import position_method
 from .visibility import memory_piece, memory_tokens
-from .xpos import sinusoidal_embedding
+from .xpos import encode_tokens, sinusoidal_embedding
 
 logger = logging.get_logger(__name__)
 ACTIVATIONS = {
@@ -140,7 +139,7 @@ class LexAttention(nn.Module):
         self.num_key_value_heads = config.num_key_value_heads
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads  # read by the backends
         self.head_dim = config.head_dim
-        self.scaling = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.scaling = config.attention_scaling
         self.softcap = config.attn_logit_softcapping  # read by the kernels (run_attention)
         self.is_causal = True
         size, inner, kv = config.hidden_size, self.num_heads * self.head_dim, self.num_key_value_heads * self.head_dim
@@ -174,10 +173,9 @@ class LexAttention(nn.Module):
         query, key = query.transpose(1, 2), key.transpose(1, 2)
         value = self.v_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
         request = plan.cache_request
-        if request.memory is not None and request.memory.read is not None:  # these queries choose the blocks
-            request = dataclasses.replace(request,
-                                          memory_query=choosing_queries(self.config, query).detach() * self.scaling)
-        query, key = plan.encode_tokens(query), plan.encode_tokens(key)
+        if request.memory is not None and request.memory.read is not None:  # the block memory chooses by them
+            request = dataclasses.replace(request, memory_query=query)
+        query, key = encode_tokens(query, key, plan.token_factors)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx, request)
         dropout = self.config.attention_dropout if self.training else 0.0

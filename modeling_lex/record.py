@@ -123,7 +123,7 @@ class CacheRequest:
 
     sink_rotation: torch.Tensor | None = None  # the rotation of the cache's copy of its sink slots (RoPE), if any
     memory: MemoryTerms | None = None  # what to read of the block memory and how to place it (None: no memory)
-    memory_query: torch.Tensor | None = None  # (B, Hq, m, d) this layer's choosing queries, times the scale
+    memory_query: torch.Tensor | None = None  # (B, Hq, T, d) this layer's queries before positions
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,15 @@ def apply_rotary(x: torch.Tensor, factors: torch.Tensor, out: torch.Tensor | Non
     return product.flatten(-2).to(x.dtype)
 
 
+def encode_tokens(query: torch.Tensor, key: torch.Tensor, factors: torch.Tensor | None):
+    """The new tokens' queries and keys (B, H, T, d) encoded at their own positions by per-token `factors` (B, 1,
+    T, d), as Llama's apply_rotary_pos_emb (RoPE: the cache then holds encoded keys); unchanged where a method is
+    not per token (None: the plan's tiles carry its terms)."""
+    if factors is None:
+        return query, key
+    return apply_rotary(query, factors), apply_rotary(key, factors)
+
+
 def alibi_slopes(num_heads: int) -> torch.Tensor:
     """The ALiBi paper's head slopes: a geometric sequence 2^(-8/n), interleaved for non-powers of two."""
 
