@@ -53,6 +53,14 @@ class StreamState:
         """The same state with `function` applied to each tensor (row selection, a column, concatenation)."""
         return StreamState(*(function(getattr(self, f.name)) for f in fields(self)))
 
+    def at(self, column: int) -> "StreamState":
+        """The moment after the token at `column` of a (B, n) state: (B,) each."""
+        return self.map(lambda t: t[:, column])
+
+    def span(self, start: int | None = None, stop: int | None = None) -> "StreamState":
+        """The moments after the tokens at columns start:stop of a (B, n) state."""
+        return self.map(lambda t: t[:, start:stop])
+
     def copy_(self, other: "StreamState") -> None:
         for f in fields(self):
             getattr(self, f.name).copy_(getattr(other, f.name))

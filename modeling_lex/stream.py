@@ -158,7 +158,7 @@ class Stream:
         seen = self.seen + length
         available = int(context.key_index.shape[0])
         keep, floor = self._keep(available, context.key_index[0], all_after, self.base, seen)
-        sink_source, sinks_after = self._refill_sink_slots(context, after.map(lambda t: t[:, -1]), seen,
+        sink_source, sinks_after = self._refill_sink_slots(context, after.at(-1), seen,
                                                            dropping=keep < available)
         drop = available - keep
         stream_after = StreamAfter(
@@ -166,9 +166,9 @@ class Stream:
             positions=context.key_positions[:, drop:],
             valid=context.key_valid[:, drop:],
             index=context.key_index[drop:],
-            after=all_after.map(lambda t: t[:, drop:]),
-            base=all_after.map(lambda t: t[:, drop - 1]) if drop > 0 and not self.static else self.base,
-            state=all_after.map(lambda t: t[:, -1]),
+            after=all_after.span(drop),
+            base=all_after.at(drop - 1) if drop > 0 and not self.static else self.base,
+            state=all_after.at(-1),
             floor=floor,
             memory_valid=None if not self.memory else torch.cat([self.memory_valid, context.key_valid[:, :drop]], 1),
             **sinks_after,
@@ -280,9 +280,9 @@ class Stream:
         keep, self.floor = self._keep(self.held, first, self.after, self.base, self.seen)
         drop = self.held - keep
         if drop > 0:
-            self.base = self.after.map(lambda t: t[:, drop - 1])
+            self.base = self.after.at(drop - 1)
             self.positions, self.valid, self.index = self.positions[:, drop:], self.valid[:, drop:], self.index[drop:]
-            self.after = self.after.map(lambda t: t[:, drop:])
+            self.after = self.after.span(drop)
         return keep
 
     # ------------------------------------------------------------------------------------------------ rollback
@@ -307,11 +307,11 @@ class Stream:
                 "activate_past_recording() (generate() does this for assisted decoding); in 'full' mode, any token"
             )
         kept = self.held - remove
-        state = self.after.map(lambda t: t[:, kept - 1]) if kept > 0 else self.base
+        state = self.after.at(kept - 1) if kept > 0 else self.base
         if self.sinks:
             self._roll_back_sinks(state, target)
         self.positions, self.valid, self.index = self.positions[:, :kept], self.valid[:, :kept], self.index[:kept]
-        self.after, self.state, self.seen = self.after.map(lambda t: t[:, :kept]), state, target
+        self.after, self.state, self.seen = self.after.span(stop=kept), state, target
         self.floor, self.removable_from = target, None
 
     def _roll_back_sinks(self, state: StreamState, target: int) -> None:
