@@ -13,8 +13,9 @@ followed by its window part; between forwards that is at most
   - full: everything (the ordinary unbounded cache; no sink slots).
 The bookkeeping (documents, positions, what to keep, rollback) is `stream.Stream`'s: each forward's record
 (record.py) says what the layers keep. A cache's state changes in one place: a forward runs its layers inside
-`with cache.forward(record):`, where each layer's `update(key, value, layer_idx, request)` returns what attention
-reads and changes nothing held (transformers names the method), and when the block ends every layer keeps what
+`with cache.forward(record):`, where each layer's `update(key, value, layer_idx, request)` (and, with a block
+memory, `recall(layer_idx, query)`) returns what attention reads and changes nothing held (transformers names
+`update`), and when the block ends every layer keeps what
 the record says and the stream moves on; if the forward raises, every layer drops what it read. So a forward that
 raises leaves the cache as it was, and reading `keys`/`values` changes nothing. Both caches share that contract
 (`LexCacheSteps`):
@@ -76,9 +77,9 @@ class LexCacheLayer(DynamicLayer):
     writes a tensor the cache returned); the slots' raw contents are kept apart (`_sinks`) and written back at
     `commit`, and until then `keys` reads them from there. Under autograd the buffers are never written in place.
 
-    With a block memory (memory.py), the keys and values `commit` drops go there, and `update` returns the blocks
-    the layer's queries (`memory_query`) choose after the new keys, as the record and the plan say
-    (`CacheRequest.memory`)."""
+    With a block memory (memory.py), the keys and values `commit` drops go there, and `recall` returns the blocks
+    the layer's queries choose, apart from the span (held in the memory's frame, so that a decoding step neither
+    rotates nor copies them), as the record and the plan say (`CacheRequest.memory`)."""
 
     def __init__(self, memory: BlockMemory | None = None) -> None:
         self._window: list[tuple[torch.Tensor, int, int] | None] = [None, None]  # keys, values: (buffer, begin, end)
@@ -137,56 +138,45 @@ class LexCacheLayer(DynamicLayer):
         return 0 if span is None else span[2] - span[1] + self._slots(0)
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, request: CacheRequest,
-        evidence: Evidence | None = None,
+        self, key_states: torch.Tensor, value_states: torch.Tensor, request: CacheRequest
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sink slots, the window part and the new keys (and values), as attention reads them; with a block
-        memory, the blocks the request's queries choose by the forward's `evidence` after them."""
+        """The sink slots, the window part and the new keys (and values), as attention reads them."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        terms = self._memory_terms = request.memory
-        recalled, place = (None, None), None
-        if terms is not None and terms.read is not None:
-            recalled, place = self.memory.read(request.memory_query, terms.read, evidence), terms.place
-        return (self._span(0, key_states, request.sink_rotation, recalled[0], place),
-                self._span(1, value_states, None, recalled[1]))
+        self._memory_terms = request.memory
+        return self._span(0, key_states, request.sink_rotation), self._span(1, value_states, None)
 
-    def _span(self, which: int, new: torch.Tensor, rotation: torch.Tensor | None,
-              recalled: torch.Tensor | None, place: torch.Tensor | None = None) -> torch.Tensor:
-        """The sink slots (rotated by `rotation`), the window part, `new` and the blocks `recalled` from the block
-        memory (rotated into their places by `place`) as one span: `new` and `recalled` written after the window
-        part (where there is no room, the sink slots and the window part move, to the front of the buffer or of a
-        new one with room to grow; what they hold stays the same); concatenated under autograd."""
+    def recall(self, query: torch.Tensor, evidence: Evidence) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks of the block memory that this forward's queries (B, Hq, T, d, before positions) choose by its
+        `evidence`, keys in the memory's frame (`BlockMemory.read`), as attention reads them beside the span."""
+        terms = self._memory_terms
+        return self.memory.read(query, terms.read, evidence, terms.frame)
+
+    def _span(self, which: int, new: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
+        """The sink slots (rotated by `rotation`), the window part and `new` as one span: `new` written after the
+        window part (where there is no room, the sink slots and the window part move, to the front of the buffer or
+        of a new one with room to grow; what they hold stays the same); concatenated under autograd."""
         sinks, count = self._sinks[which], self._slots(which)
         front = sinks if rotation is None else apply_rotary(sinks, rotation)
         buffer, begin, end = self._window[which] or (new[:, :, :0], 0, 0)
-        extra = 0 if recalled is None else recalled.shape[2]
         if new.requires_grad or buffer.requires_grad:
             self._joined[which] = torch.cat([buffer[:, :, begin:end], new], dim=2)
-            parts = [front] if sinks is not None else []
-            if extra and place is not None:
-                recalled = apply_rotary(recalled, place)
-            parts += [self._joined[which]] + ([recalled] if extra else [])
-            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+            return self._joined[which] if sinks is None else torch.cat([front, self._joined[which]], dim=2)
         self._joined[which] = None
         stop = end + new.shape[2]
         rewrite = rotation is not None or (which == 0 and self._rotated)
-        if stop + extra > buffer.shape[2]:  # no room after the window part
+        if stop > buffer.shape[2]:  # no room after the window part
             length = count + stop - begin
-            room = buffer if length + extra <= buffer.shape[2] else _with_room(new, length + extra)
+            room = buffer if length <= buffer.shape[2] else _with_room(new, length)
             _move(buffer, begin, end, room, count)
             buffer, begin, end, stop, rewrite = room, count, count + end - begin, length, True
             self._window[which] = (buffer, begin, end)
         buffer[:, :, end:stop] = new
-        if extra and place is not None:
-            apply_rotary(recalled, place, out=buffer[:, :, stop : stop + extra])
-        elif extra:
-            buffer[:, :, stop : stop + extra] = recalled
         if count and rewrite:
             buffer[:, :, begin - count : begin] = front
         if which == 0:
             self._rotated = rotation is not None
-        return buffer[:, :, begin - count : stop + extra]
+        return buffer[:, :, begin - count : stop]
 
     def commit(self, record: ForwardRecord) -> None:
         """Hold what the record says: the sink slots' new contents (taken from the raw keys the forward read, sink
@@ -298,14 +288,10 @@ class LexCacheSteps:
                request: CacheRequest | None = None, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values attention reads (sink slots first), for the plan's `request`; what the layer holds
         changes when the forward's step ends."""
-        return self.layers[layer_idx].update(key_states, value_states, request or CacheRequest(), *self._reading())
+        return self.layers[layer_idx].update(key_states, value_states, request or CacheRequest())
 
     def _open(self, record: ForwardRecord) -> None:
         """What the cache keeps for the length of one forward (nothing, but for the block memory's evidence)."""
-
-    def _reading(self) -> tuple:
-        """What a layer's `update` reads besides its request, for the forward open now."""
-        return ()
 
     def _close(self, record: ForwardRecord | None = None) -> None:
         """The forward's step ended: committed (`record`) or discarded (None)."""
@@ -389,8 +375,11 @@ class LexCache(LexCacheSteps, DynamicCache):
             carried[:, : self.memory_evidence.shape[1]] = self.memory_evidence
         self._evidence = Evidence(carried)
 
-    def _reading(self) -> tuple:
-        return (self._evidence,)
+    def recall(self, layer_idx: int, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block memory's keys and values (B, Hkv, k * b, d) that layer `layer_idx` reads in the forward open
+        now, after its `update`: the blocks its queries (B, Hq, T, d, before positions) choose, keys in the memory's
+        frame (`MemoryTerms.frame`). Like `update`, it changes nothing held until the step ends."""
+        return self.layers[layer_idx].recall(query, self._evidence)
 
     def _close(self, record: ForwardRecord | None = None) -> None:
         found = None if record is None or self._evidence is None else self._evidence.found()

@@ -1,5 +1,7 @@
 """The attention kernels: each layer's q, k, v run through the forward's plan (masking.py), tile by tile, on the
-attention backend transformers selects (eager, sdpa, ...), with the reference eager computation beside them."""
+attention backend transformers selects (eager, sdpa, ...), with the reference eager computation beside them. A
+decoding step with the block memory meets the memory's keys with a second encoding of its query, which no backend
+takes: it is the one eager computation of its own here (`_one_query_and_the_memory`)."""
 
 from collections.abc import Callable
 
@@ -8,7 +10,7 @@ from torch import nn
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from .masking import AttentionPlan, Tile
-from .xpos import apply_rotary
+from .xpos import apply_rotary, inverse_rotation
 
 
 def eager_attention_forward(
@@ -55,10 +57,12 @@ def _chunks(x: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     return picked.permute(0, 1, 3, 2, 4).flatten(0, 1)
 
 
-def _tile_inputs(tile: Tile, sink_slots: int, query, key, value):
+def _tile_inputs(tile: Tile, sink_slots: int, query, key, value, recalled=None):
+    """The tile's queries, keys and values; the block memory's blocks (`recalled`, keys in its frame) after the
+    window part's keys, turned into the tile's frame."""
     if tile.query_slots is not None:
         return _chunks(query, tile.query_slots), _chunks(key, tile.key_columns), _chunks(value, tile.key_columns)
-    keys = slice(sink_slots + tile.key_slice.start, sink_slots + tile.key_slice.stop + tile.n_memory)
+    keys = slice(sink_slots + tile.key_slice.start, sink_slots + tile.key_slice.stop)
     if tile.sinks_in_slots:  # the sink columns are the cache's copy of its sink slots, before its window part
         keys = slice(0, keys.stop)
     q, k, v = query[:, :, tile.query_slice], key[:, :, keys], value[:, :, keys]
@@ -66,7 +70,49 @@ def _tile_inputs(tile: Tile, sink_slots: int, query, key, value):
         index = tile.sink_columns[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[3])
         k = torch.cat([key.gather(2, index), k], dim=2)
         v = torch.cat([value.gather(2, index), v], dim=2)
+    if recalled is not None:
+        memory_keys, memory_values = recalled
+        if tile.memory_place is not None:
+            memory_keys = apply_rotary(memory_keys, tile.memory_place)
+        elif tile.memory_query_rotation is not None:  # (attention maps of one query: the keys turned to it)
+            memory_keys = apply_rotary(memory_keys, inverse_rotation(tile.memory_query_rotation))
+        k, v = torch.cat([k, memory_keys], dim=2), torch.cat([v, memory_values], dim=2)
     return q, k, v
+
+
+def _meets_the_memory_apart(tile: Tile, plan: AttentionPlan) -> bool:
+    """A dense tile of one query per row whose block memory takes no position terms of the tile's own (per-token
+    RoPE, or no positions): a decoding step, which meets the memory's keys where the memory holds them."""
+    return (tile.n_memory > 0 and tile.query_slots is None and tile.query_slice.stop - tile.query_slice.start == 1
+            and tile.factors is None and tile.sink_query_factors is None and tile.distance is None
+            and not plan.attention_maps)
+
+
+def _one_query_and_the_memory(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              mask: torch.Tensor | None, q_memory: torch.Tensor,
+                              recalled: tuple[torch.Tensor, torch.Tensor], dropout: float) -> torch.Tensor:
+    """One query per row (B, H, 1, d) against the window's keys k (B, Hkv, K, d) and, encoded in the block
+    memory's frame (`q_memory`), against the memory's keys where the memory holds them, in one softmax (float32,
+    as eager_attention_forward; the tile's mask covers both, the memory's columns last) -> (B, 1, H, d). No
+    backend takes two encodings of one query: this is the eager computation, each key/value head serving its query
+    heads by a view (no repeat_kv), so a decoding step neither rotates nor copies the memory's keys."""
+    batch, heads, _, width = q.shape
+    kv_heads = k.shape[1]
+    groups = heads // kv_heads
+    memory_keys, memory_values = recalled
+    scores = torch.cat([torch.matmul(q.reshape(batch, kv_heads, groups, width), k.transpose(2, 3)),
+                        torch.matmul(q_memory.reshape(batch, kv_heads, groups, width), memory_keys.transpose(2, 3))],
+                       dim=-1)
+    scores = scores * module.scaling
+    if module.softcap is not None:  # Gemma 2's cap, before the mask
+        scores = torch.tanh(scores / module.softcap) * module.softcap
+    if mask is not None:  # (B, 1 or H, 1, K + M)
+        scores = scores + mask.reshape(batch, -1, groups if mask.shape[1] == heads else 1, mask.shape[-1])
+    weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
+    window = k.shape[2]
+    output = torch.matmul(weights[..., :window], v) + torch.matmul(weights[..., window:], memory_values)
+    return output.reshape(batch, heads, 1, -1).transpose(1, 2)
 
 
 def _attention_map(tile: Tile, sink_slots: int, weights: torch.Tensor, n_keys: int) -> torch.Tensor:
@@ -111,29 +157,38 @@ def run_attention(
     value: torch.Tensor,
     plan: AttentionPlan,
     dropout: float,
+    recalled: tuple[torch.Tensor, torch.Tensor] | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention of raw (pre-position) q (B,H,T,d) over the raw keys and values the cache returned (B,Hkv,K,d) by
-    the plan's tiles.
+    """Attention of raw (pre-position) q (B,H,T,d) over the raw keys and values the cache returned (B,Hkv,K,d) and
+    the block memory's blocks it `recalled` (B,Hkv,k*b,d, keys in the memory's frame), by the plan's tiles.
 
     `interface` is the attention backend (eager, sdpa, ...) with transformers' attention-interface signature; the
-    caller's `kwargs` pass through to it, as in modeling_llama. Returns the output (B, T, H, d) and, when the
-    plan keeps them, the attention weights as a map over the keys. The keys and values are read, never written:
-    they may be views of the cache's buffers.
+    caller's `kwargs` pass through to it, as in modeling_llama. A decoding step with the block memory meets it
+    apart (`_one_query_and_the_memory`). Returns the output (B, T, H, d) and, when the plan keeps them, the
+    attention weights as a map over the keys. The keys and values are read, never written: they may be views of
+    the cache's buffers.
     """
     batch, _, total, _ = query.shape
     outputs, weights = [], None
     for tile in plan.tiles:
-        given, k, v = _tile_inputs(tile, plan.sink_slots, query, key, value)
+        apart = recalled is not None and _meets_the_memory_apart(tile, plan)
+        given, k, v = _tile_inputs(tile, plan.sink_slots, query, key, value,
+                                   recalled if tile.n_memory and not apart else None)
+        if tile.sink_key_rotation is not None and not tile.sinks_in_slots:  # (else the cache rotated its slots' copy)
+            k = torch.cat([apply_rotary(k[:, :, : tile.n_sinks], tile.sink_key_rotation), k[:, :, tile.n_sinks :]],
+                          dim=2)
+        if apart:
+            rotation = tile.memory_query_rotation
+            q_memory = given if rotation is None else apply_rotary(given, rotation)
+            outputs.append(_one_query_and_the_memory(module, given, k, v, tile.mask, q_memory, recalled, dropout))
+            continue
         q = given
         if tile.factors is not None:
             q, k = apply_rotary(given, tile.factors[0]), apply_rotary(k, tile.factors[1])
         if tile.sink_query_factors is not None:
             q, k, v = _meet_sinks_in_their_frame(q, apply_rotary(given, tile.sink_query_factors), k, v, tile.n_sinks,
                                                  tile.n_memory)
-        if tile.sink_key_rotation is not None and not tile.sinks_in_slots:  # the cache rotated its slots' copy
-            k = torch.cat([apply_rotary(k[:, :, : tile.n_sinks], tile.sink_key_rotation), k[:, :, tile.n_sinks :]],
-                          dim=2)
         mask = tile.mask
         bias = None if tile.distance is None else module.learned_bias(tile.distance).to(q.dtype)
         if module.softcap is not None:  # capped scores: the eager computation (LexAttention picks it)
@@ -152,17 +207,23 @@ def run_attention(
     tile = plan.tiles[0]  # maps: one dense tile over every key
     attention_map = _attention_map(tile, plan.sink_slots, weights, key.shape[2])
     if attention_map is not weights:  # rebuilt over the cache's keys: the output read from it (gradients reach it)
-        output = _output_of_map(attention_map, weights, value, tile.n_memory).to(output.dtype)
+        memory_values = recalled[1] if tile.n_memory else None
+        output = _output_of_map(attention_map, weights, value, memory_values).to(output.dtype)
     return output, attention_map
 
 
-def _output_of_map(attention_map: torch.Tensor, weights: torch.Tensor, value: torch.Tensor, n_memory: int):
+def _grouped(value: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
+    return value.repeat_interleave(heads // value.shape[1], dim=1).to(dtype)
+
+
+def _output_of_map(attention_map: torch.Tensor, weights: torch.Tensor, value: torch.Tensor,
+                   memory_values: torch.Tensor | None):
     """The output (B, T, H, d) as the map (B, H, T, K) times the cache's values (B, Hkv, K, d), plus the block
-    memory's weights (the tile's last columns, none of the map's) times its values (the cache's last columns)."""
-    value = value.repeat_interleave(attention_map.shape[1] // value.shape[1], dim=1).to(attention_map.dtype)
-    output = attention_map @ value
-    if n_memory:
-        output = output + weights[..., -n_memory:] @ value[:, :, -n_memory:]
+    memory's weights (the tile's last columns, none of the map's) times its values."""
+    heads, dtype = attention_map.shape[1], attention_map.dtype
+    output = attention_map @ _grouped(value, heads, dtype)
+    if memory_values is not None:
+        output = output + weights[..., -memory_values.shape[2] :] @ _grouped(memory_values, heads, dtype)
     return output.transpose(1, 2).contiguous()
 
 

@@ -65,10 +65,11 @@ class Tile:
     # the cache returned as one span, without a mask.
     sink_key_rotation: torch.Tensor | None = None
     sinks_in_slots: bool = False
-    # The block memory's key columns (memory.py), after the window part's, as the cache returns them: met by the
-    # second copy of each query, where there is one; per-token RoPE keys rotated into place by the cache.
+    # The block memory's key columns (memory.py), which the cache returns apart (`recall`), after the window
+    # part's: met by the second copy of each query, where there is one; per-token RoPE keys turned into place.
     n_memory: int = 0
-    memory_place: torch.Tensor | None = None  # (B, 1, k * b, d), for the cache (AttentionPlan.cache_request)
+    memory_place: torch.Tensor | None = None  # (B, 1, 1, d): from the memory's frame to the tile's (_memory_terms)
+    memory_query_rotation: torch.Tensor | None = None  # (B, 1, 1, d): one query per row turned into the frame
 
 
 @dataclass
@@ -199,10 +200,11 @@ def _dense_tile(
                               and bool((sink_columns == torch.arange(n_sinks, device=sink_columns.device)).all()))
         elif sink_query_factors is not None:
             sink_query_factors = sink_query_factors.unsqueeze(1)
-    memory_place, n_memory = None, 0
+    memory_place = memory_query_rotation = None
+    n_memory = 0
     if memory is not None:
         origin = sink_positions[:, :1] - frame[1][0] if frame is not None else memory_tokens(config)
-        factors, bias, distance, sink_query_factors, memory_place = _memory_terms(
+        factors, bias, distance, sink_query_factors, memory_place, memory_query_rotation = _memory_terms(
             position_method, (factors, bias, distance, sink_query_factors), config, ctx, queries, origin)
         n_memory = memory.token_valid.shape[1]
     if factors is not None:
@@ -222,31 +224,34 @@ def _dense_tile(
     return Tile(factors, additive_mask(allowed, bias, dtype), distance, query_slice=queries, key_slice=keys,
                 sink_columns=sink_columns, sink_query_factors=sink_query_factors, n_sinks=n_sinks,
                 sink_key_rotation=sink_key_rotation, sinks_in_slots=sinks_in_slots, n_memory=n_memory,
-                memory_place=memory_place)
+                memory_place=memory_place, memory_query_rotation=memory_query_rotation)
 
 
 def _memory_terms(position_method: PositionMethod, terms: tuple, config, ctx: AttentionContext, queries: slice,
                   origin):
     """The position terms of the block memory's k * b key columns (after the window part), in the frame
-    (visibility.memory_frame). Returns (factors, bias, distance, sink_query_factors, memory_place).
+    (visibility.memory_frame). Returns (factors, bias, distance, sink_query_factors, memory_place,
+    memory_query_rotation).
 
     A method that is not per token gets their terms in the frame, met by the query's second copy (the sinks' own,
-    or made here). Per-token RoPE: the cache rotates the raw memory keys into place (`memory_place`): where the
-    query meets its sinks through a second copy shifted into the frame (several queries), to frame place + `origin`
-    (the position the sinks' frame puts frame place 0 at: their first position plus S + k * b, or k * b without
-    sinks), as the sinks' keys sit; for one query, to its own position less its distance to each place."""
+    or made here). Per-token RoPE: the memory holds its keys at their frame places (`MemoryTerms.frame`), and
+    `memory_place` (B, 1, 1, d) turns them by one shift to where the queries meet them, where the query meets its
+    sinks through a second copy shifted into the frame: by `origin` (the position the sinks' frame puts frame place
+    0 at: their first position plus S + k * b, or k * b without sinks), as the sinks' keys sit. One query per row
+    is turned into the frame instead (`memory_query_rotation`: by its place in the frame less its position), so
+    that it meets the keys where the memory holds them (kernels.py)."""
     factors, bias, distance, query_factors = terms
     q_index, start = ctx.query_index[queries][None], ctx.document_start[:, queries]
     q_frame, k_frame = memory_frame(config, q_index, start)  # (B, T), (M,)
     if position_method.per_token:
         q_positions = ctx.query_positions[:, queries]
         if q_positions.shape[1] == 1:
-            place = q_positions - q_frame + k_frame
-        else:
-            place = (k_frame + origin).expand(q_frame.shape[0], -1)
-            if query_factors is None:
-                query_factors = position_method.shift_factors(q_frame + origin - q_positions).unsqueeze(1)
-        return factors, bias, distance, query_factors, position_method.shift_factors(place).unsqueeze(1)
+            turn = position_method.shift_factors(q_frame - q_positions).unsqueeze(1)
+            return factors, bias, distance, query_factors, None, turn
+        shift = origin if torch.is_tensor(origin) else torch.full_like(q_positions[:, :1], origin)
+        if query_factors is None:
+            query_factors = position_method.shift_factors(q_frame + origin - q_positions).unsqueeze(1)
+        return factors, bias, distance, query_factors, position_method.shift_factors(shift).unsqueeze(1), None
     memory = position_method.terms(q_frame, k_frame.expand(q_frame.shape[0], -1))
     if memory.factors is not None:
         if query_factors is None:
@@ -256,7 +261,7 @@ def _memory_terms(position_method: PositionMethod, terms: tuple, config, ctx: At
         bias = torch.cat([bias, memory.bias], dim=-1)
     if memory.distance is not None:
         distance = torch.cat([distance, memory.distance], dim=-1)
-    return factors, bias, distance, query_factors, None
+    return factors, bias, distance, query_factors, None, None
 
 
 def _sees_every_key(allowed: torch.Tensor) -> bool:
@@ -368,18 +373,23 @@ def build_plan(
     first = plan.tiles[0]
     plan.cache_request = CacheRequest(
         sink_rotation=first.sink_key_rotation if first.sinks_in_slots else None,
-        memory=_memory_cache_terms(position_method, record, first.memory_place) if memory_tokens(config) else None,
+        memory=_memory_cache_terms(config, position_method, record) if memory_tokens(config) else None,
     )
     return plan
 
 
-def _memory_cache_terms(position_method: PositionMethod, record: ForwardRecord, place) -> MemoryTerms:
-    """What each layer's cache needs for the block memory: what to read and how to place it, and (per-token RoPE)
-    how to rotate the keys this forward evicts back to position 0."""
-    unrotate = None
-    if position_method.per_token and record.dropped:
-        unrotate = position_method.shift_factors(-record.context.key_positions[:, : record.dropped]).unsqueeze(1)
-    return MemoryTerms(record.memory, place, unrotate)
+def _memory_cache_terms(config, position_method: PositionMethod, record: ForwardRecord) -> MemoryTerms:
+    """What each layer's cache needs for the block memory: what to read, and (per-token RoPE) the rotation of the
+    keys it reads to their frame places and of the keys this forward evicts back to position 0."""
+    frame = unrotate = None
+    if position_method.per_token:
+        if record.memory is not None:
+            ctx = record.context
+            places = memory_frame(config, ctx.query_index[None], ctx.document_start)[1]
+            frame = position_method.shift_factors(places)[None, None]
+        if record.dropped:
+            unrotate = position_method.shift_factors(-record.context.key_positions[:, : record.dropped]).unsqueeze(1)
+    return MemoryTerms(record.memory, frame, unrotate)
 
 
 __all__ = ["AttentionPlan", "Tile", "build_plan"]

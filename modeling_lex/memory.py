@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from .record import MemoryRead
+from .xpos import apply_rotary
 
 
 def representative_count(block: int) -> int:
@@ -254,20 +255,25 @@ class BlockMemory:
             span = self.keys[:, :, complete * self.block : self.blocks * self.block]
             self.representatives[:, :, :, complete : self.blocks] = block_representatives(span, self.block)
 
-    def read(self, query: torch.Tensor, read: MemoryRead, evidence: Evidence) -> tuple[torch.Tensor, torch.Tensor]:
-        """The k slots' keys and values (B, H, k*block, d) for a layer's queries (B, Hq, T, d) before positions, raw;
-        the empty slots (first) hold block 0, masked by the plan. Its `choosing_queries` score the blocks. This layer's scores join the forward's `evidence`,
-        which chooses; a forward of one token among the same complete blocks as the last choice (a decoding step
-        before the next block completes) reads the blocks chosen then, as they were read then (held with the
-        choice: gathering them again at every step was a tenth of a decoding step at 4k tokens). A new choice is
-        held from `commit` on; `discard` (a forward that raised) drops it. The tensors returned are read, never
-        written."""
+    def read(self, query: torch.Tensor, read: MemoryRead, evidence: Evidence,
+             frame: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k slots' keys and values (B, H, k*block, d) for a layer's queries (B, Hq, T, d) before positions: the
+        keys rotated by `frame` to their places in the memory's frame (RoPE, `MemoryTerms.frame`), else raw; the
+        empty slots (first) hold block 0, masked by the plan. Its `choosing_queries` score the blocks; this layer's
+        scores join the forward's `evidence`, which chooses. A forward of one token among the same complete blocks
+        as the last choice (a decoding step before the next block completes) reads the blocks chosen then, as they
+        were read then: gathered and rotated once per choice, so a decoding step neither gathers, rotates nor copies
+        them. A new choice is held from `commit` on; `discard` (a forward that raised) drops it. The tensors
+        returned are read, never written."""
         blocks = read.candidates.shape[1]
         if query.shape[2] > 1 or self.chosen is None or blocks != self.chosen_among:
             choosing = choosing_queries(query.detach(), self.piece, self.block) * self.scaling
             total = evidence.add(block_scores(choosing, self.representatives[:, :, :, :blocks], read.candidates))
             chosen = choose_blocks(torch.where(read.candidates, total, -torch.inf), self.slots)
-            self.pending = chosen, blocks, (self._blocks(self.keys, chosen), self._blocks(self.values, chosen))
+            keys = self._blocks(self.keys, chosen)
+            if frame is not None:
+                keys = apply_rotary(keys, frame)
+            self.pending = chosen, blocks, (keys, self._blocks(self.values, chosen))
             return self.pending[2]
         self.pending = None
         return self.recalled

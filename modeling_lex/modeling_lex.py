@@ -172,18 +172,19 @@ class LexAttention(nn.Module):
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = query.transpose(1, 2), key.transpose(1, 2)
         value = self.v_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
-        request = plan.cache_request
-        if request.memory is not None and request.memory.read is not None:  # the block memory chooses by them
-            request = dataclasses.replace(request, memory_query=query)
+        memory, recalled = plan.cache_request.memory, None
+        raw_query = query  # (the block memory chooses by the queries before positions)
         query, key = encode_tokens(query, key, plan.token_factors)
         if cache is not None:
-            key, value = cache.update(key, value, self.layer_idx, request)
+            key, value = cache.update(key, value, self.layer_idx, plan.cache_request)
+            if memory is not None and memory.read is not None:
+                recalled = cache.recall(self.layer_idx, raw_query)
         dropout = self.config.attention_dropout if self.training else 0.0
         interface = eager_attention_forward
         # Maps come from the eager computation, whatever the backend; so do capped scores (SDPA cannot cap them).
         if not plan.attention_maps and self.softcap is None:
             interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, interface)
-        output, weights = run_attention(self, interface, query, key, value, plan, dropout, **kwargs)
+        output, weights = run_attention(self, interface, query, key, value, plan, dropout, recalled, **kwargs)
         output = output.reshape(batch, length, -1)
         if self.inner_attn_ln is not None:
             output = self.inner_attn_ln(output)
@@ -195,11 +196,12 @@ def without_positions(plan: AttentionPlan) -> AttentionPlan:
     rotations. RoPE's position terms are rotations only: of the new tokens (`token_factors`) and of sinks seen in
     their cache frame (a second query copy, or the sink keys rotated back by the kernel or by the cache in its copy
     of its sink slots), so dropping those leaves plain attention under the same masks."""
-    tiles = [dataclasses.replace(tile, sink_query_factors=None, sink_key_rotation=None, memory_place=None)
+    tiles = [dataclasses.replace(tile, sink_query_factors=None, sink_key_rotation=None, memory_place=None,
+                                  memory_query_rotation=None)
              for tile in plan.tiles]
     memory = plan.cache_request.memory
     if memory is not None:  # the block memory's keys: raw, and raw when evicted
-        memory = dataclasses.replace(memory, place=None, unrotate=None)
+        memory = dataclasses.replace(memory, frame=None, unrotate=None)
     request = dataclasses.replace(plan.cache_request, sink_rotation=None, memory=memory)
     return dataclasses.replace(plan, tiles=tiles, token_factors=None, cache_request=request)
 

@@ -5,7 +5,8 @@ A forward of a LEX model has three moments, and only the last changes a cache:
    the caller's inputs and the stream as it is, before any layer runs. Nothing changes.
 2. each layer: inside `with cache.forward(record):`, `cache.update(key, value, layer_idx, request)` hands the
    layer's new keys and the plan's `CacheRequest` to the cache, which returns the keys and values attention reads
-   (sink slots first). What it holds does not change (transformers names the method; it reads, it does not store).
+   (sink slots first); with a block memory, `cache.recall(layer_idx, query)` returns the blocks the layer's queries
+   choose, apart from them. What it holds does not change (transformers names `update`; it reads, it does not store).
 3. commit: when the block ends after the last layer, the cache keeps what the record says (the sink slots' new
    contents, the last `keep` window keys, the evicted keys in the block memory) in every layer and moves the
    stream to `record.stream_after`. A forward that raises leaves the cache as it was: the block discards what the
@@ -120,18 +121,18 @@ class MemoryTerms:
     """What each layer's cache gets with its keys for the block memory (`CacheRequest.memory`)."""
 
     read: MemoryRead | None  # None: nothing to read in this forward
-    place: torch.Tensor | None  # (B, 1, k * block, d): rotation of the raw memory keys into their slots (RoPE)
+    frame: torch.Tensor | None  # (1, 1, k * block, d): rotation of raw memory keys to their places in the frame,
+    # applied once per choice (RoPE; visibility.memory_frame): the memory holds the blocks it read so
     unrotate: torch.Tensor | None  # (B, 1, dropped, d): undoes the rotation of the keys this forward evicts (RoPE)
 
 
 @dataclass(frozen=True)
 class CacheRequest:
-    """What a layer hands a LEX cache with its new keys (`cache.update(key, value, layer_idx, request)`): the same
-    for every layer of a forward but `memory_query`. Other caches take it as an extra argument they ignore."""
+    """What a layer hands a LEX cache with its new keys (`cache.update(key, value, layer_idx, request)`), the same
+    for every layer of a forward. Other caches take it as an extra argument they ignore."""
 
     sink_rotation: torch.Tensor | None = None  # the rotation of the cache's copy of its sink slots (RoPE), if any
-    memory: MemoryTerms | None = None  # what to read of the block memory and how to place it (None: no memory)
-    memory_query: torch.Tensor | None = None  # (B, Hq, T, d) this layer's queries before positions
+    memory: MemoryTerms | None = None  # what to read of the block memory and in which frame (None: no memory)
 
 
 @dataclass(frozen=True)

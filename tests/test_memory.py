@@ -105,6 +105,28 @@ def test_cached_reading_matches_the_reference(method, mode, sinks, monkeypatch):
     assert cache.layers[0].memory.length == cache.seen - cache.held > BLOCKS * BLOCK
 
 
+@pytest.mark.parametrize("sinks", [0, 4])
+def test_decoding_steps_with_attention_maps_read_the_memory_of_the_reference(sinks):
+    """A decoding step that returns its attention maps meets the block memory through the eager backend, the
+    recalled keys turned to its query (without maps it meets them where the memory holds them): either way, the
+    logits are the reference's."""
+    config = memory_config(position_embedding_type="rope", attention_mode="sliding", attention_sinks=sinks)
+    model = perturbed_model(config, seed=5)
+    model.set_attn_implementation("eager")
+    calls = [W, W - 3, 5] + [1] * 14
+    ids = distinct_prompt(sum(calls), seed=5)
+    logits, start, maps = [], 0, 0
+    cache = LexCache(config)
+    with torch.no_grad():
+        for count in calls:
+            out = model(ids[:, start : start + count], cache=cache, output_attentions=count == 1 and start % 2 == 0)
+            maps += out.attentions is not None
+            logits.append(out.logits[0])
+            start += count
+    assert maps >= 7
+    assert_reference(model, ids, as_read(calls), torch.cat(logits))
+
+
 def test_blocks_scored_in_slices_match_the_reference(monkeypatch):
     """The representatives scored in slices of at most 8 logits: 2 blocks at a time for a decoding step's one query
     (1 row x 4 query heads x 1 representative a block; the last slice short), one at a time for a prompt's queries.
