@@ -63,7 +63,7 @@ def _scored_states(model, ids: torch.Tensor) -> tuple[Iterator[tuple[int, torch.
         spans = (model.reading_spans(length) if memory  # as the model's own long forward reads it
                  else [(start, min(start + 2 * window, length)) for start in range(0, length, 2 * window)])
         for start, stop in spans:
-            out = model.model(input_ids=ids[:, start:stop], cache=cache, use_cache=True)
+            out = model.model(input_ids=ids[:, start:stop], cache=cache, use_cache=True, in_spans=False)
             cache = getattr(out, CACHE_NAME)
             yield start, out.last_hidden_state
 

@@ -13,10 +13,10 @@ followed by its window part; between forwards that is at most
   - full: everything (the ordinary unbounded cache; no sink slots).
 The bookkeeping (documents, positions, what to keep, rollback) is `stream.Stream`'s: each forward's record
 (record.py) says what the layers keep. A cache's state changes in one place: a forward runs its layers inside
-`with cache.forward(record):`, where each layer's `update(key, value, layer_idx, request)` (and, with a block
-memory, `recall(layer_idx, query)`) returns what attention reads and changes nothing held (transformers names
-`update`), and when the block ends every layer keeps what
-the record says and the stream moves on; if the forward raises, every layer drops what it read. So a forward that
+`with cache.forward(record):`, where each layer's `read(key, value, layer_idx, request, query)` returns what
+attention reads (its span and, with a block memory, the blocks its queries choose) and changes nothing held
+(`update`, transformers' name, is the same read without the block memory), and when the block ends every layer
+keeps what the record says and the stream moves on; if the forward raises, every layer drops what it read. So a forward that
 raises leaves the cache as it was, and reading `keys`/`values` changes nothing. Both caches share that contract
 (`LexCacheSteps`):
 
@@ -27,7 +27,7 @@ raises leaves the cache as it was, and reading `keys`/`values` changes nothing. 
   place, with positions, padding flags and stream indices as tensors: every decoding step has the same shapes and
   reads nothing on the host, so a compiled decoding step is compiled once (CUDA graphs too).
 
-Prompts longer than w are fed through either cache w tokens at a time by `LexForCausalLM.forward`, so a prompt of
+Prompts longer than w are fed through either cache w tokens at a time by `LexModel.forward`, so a prompt of
 any length is read in O(w) memory.
 """
 
@@ -261,7 +261,7 @@ class LexCacheLayer(DynamicLayer):
 
 
 class LexCacheSteps:
-    """One forward's step, the same for both LEX caches: `forward(record)` opens it, each layer's `update` reads,
+    """One forward's step, the same for both LEX caches: `forward(record)` opens it, each layer's `read` reads,
     and the step's end commits (or, if the forward raised, discards) in every layer and in the stream."""
 
     layers: list
@@ -284,11 +284,25 @@ class LexCacheSteps:
         self.stream.commit(record)
         self._close(record)
 
+    def read(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, request: CacheRequest,
+             query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """What layer `layer_idx` of the forward open now attends to, for the plan's `request`: the keys and values
+        of its span (sink slots first, the new ones last) and, with a block memory, the blocks its queries (B, Hq, T,
+        d, before positions) choose, keys in the memory's frame (`MemoryTerms.frame`; None: no memory to read).
+        What the layer holds changes when the forward's step ends."""
+        layer = self.layers[layer_idx]
+        keys, values = layer.update(key_states, value_states, request)
+        return keys, values, self._recall(layer, query, request)
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                request: CacheRequest | None = None, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values attention reads (sink slots first), for the plan's `request`; what the layer holds
-        changes when the forward's step ends."""
+        """transformers' name for `read` without the block memory: the keys and values of the span."""
         return self.layers[layer_idx].update(key_states, value_states, request or CacheRequest())
+
+    def _recall(self, layer: CacheLayerMixin, query: torch.Tensor, request: CacheRequest
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The block memory's blocks a layer reads (none in a cache without one)."""
+        return None
 
     def _open(self, record: ForwardRecord) -> None:
         """What the cache keeps for the length of one forward (nothing, but for the block memory's evidence)."""
@@ -375,11 +389,10 @@ class LexCache(LexCacheSteps, DynamicCache):
             carried[:, : self.memory_evidence.shape[1]] = self.memory_evidence
         self._evidence = Evidence(carried)
 
-    def recall(self, layer_idx: int, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block memory's keys and values (B, Hkv, k * b, d) that layer `layer_idx` reads in the forward open
-        now, after its `update`: the blocks its queries (B, Hq, T, d, before positions) choose, keys in the memory's
-        frame (`MemoryTerms.frame`). Like `update`, it changes nothing held until the step ends."""
-        return self.layers[layer_idx].recall(query, self._evidence)
+    def _recall(self, layer: LexCacheLayer, query: torch.Tensor, request: CacheRequest
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        memory = request.memory
+        return None if memory is None or memory.read is None else layer.recall(query, self._evidence)
 
     def _close(self, record: ForwardRecord | None = None) -> None:
         found = None if record is None or self._evidence is None else self._evidence.found()

@@ -158,10 +158,12 @@ def run_attention(
     plan: AttentionPlan,
     dropout: float,
     recalled: tuple[torch.Tensor, torch.Tensor] | None = None,
+    frame_query: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of raw (pre-position) q (B,H,T,d) over the raw keys and values the cache returned (B,Hkv,K,d) and
-    the block memory's blocks it `recalled` (B,Hkv,k*b,d, keys in the memory's frame), by the plan's tiles.
+    the block memory's blocks it `recalled` (B,Hkv,k*b,d, keys in the memory's frame), by the plan's tiles;
+    `frame_query`: a decoding step's query turned into the memory's frame (`AttentionPlan.query_turn`), if any.
 
     `interface` is the attention backend (eager, sdpa, ...) with transformers' attention-interface signature; the
     caller's `kwargs` pass through to it, as in modeling_llama. A decoding step with the block memory meets it
@@ -179,8 +181,7 @@ def run_attention(
             k = torch.cat([apply_rotary(k[:, :, : tile.n_sinks], tile.sink_key_rotation), k[:, :, tile.n_sinks :]],
                           dim=2)
         if apart:
-            rotation = tile.memory_query_rotation
-            q_memory = given if rotation is None else apply_rotary(given, rotation)
+            q_memory = given if frame_query is None else frame_query
             outputs.append(_one_query_and_the_memory(module, given, k, v, tile.mask, q_memory, recalled, dropout))
             continue
         q = given

@@ -22,6 +22,7 @@ No decision here reads tensor contents on the host: what needs a Python value co
 without graph breaks. Nothing here imports the cache or the stream: the plan changes no state.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -29,8 +30,8 @@ import torch
 from .positions import PositionMethod
 from .record import AttentionContext, CacheRequest, ForwardRecord, MemoryRead, MemoryTerms
 from .visibility import (
-    chunk_map, locate_in_window, memory_frame, memory_tokens, seen_as_sink, sink_count, sink_frame, sink_indices,
-    window_visible,
+    chunk_map, locate_in_window, memory_frame, memory_places, memory_tokens, seen_as_sink, sink_count, sink_frame,
+    sink_indices, window_visible,
 )
 from .xpos import inverse_rotation
 
@@ -81,6 +82,9 @@ class AttentionPlan:
     sink_slots: int  # the cache's sink slots, which come first among the keys it returns
     attention_maps: bool = False  # one dense tile over every key, whose weights are the full attention map
     token_factors: torch.Tensor | None = None  # (B, 1, T, d): per-token encodings (RoPE; xpos.encode_tokens)
+    # (B, 1, 1, d): a decoding step's one query per row turned into the block memory's frame (RoPE; encode_tokens),
+    # where it meets the memory's keys as the memory holds them (kernels.py)
+    query_turn: torch.Tensor | None = None
     cache_request: CacheRequest | None = None  # what every layer hands its cache (set with the tiles)
 
 
@@ -371,11 +375,20 @@ def build_plan(
             for start in range(0, total, window)
         ]
     first = plan.tiles[0]
+    if not attention_maps:
+        plan.query_turn = first.memory_query_rotation
     plan.cache_request = CacheRequest(
         sink_rotation=first.sink_key_rotation if first.sinks_in_slots else None,
         memory=_memory_cache_terms(config, position_method, record) if memory_tokens(config) else None,
     )
     return plan
+
+
+@functools.lru_cache(maxsize=8)
+def _frame_rotation(position_method: PositionMethod, places: int, device: torch.device) -> torch.Tensor:
+    """(1, 1, places, d): the rotation of raw memory keys to their places in the frame (`memory_places`), a constant
+    of the model: made once per device."""
+    return position_method.shift_factors(memory_places(places, device))[None, None]
 
 
 def _memory_cache_terms(config, position_method: PositionMethod, record: ForwardRecord) -> MemoryTerms:
@@ -384,9 +397,7 @@ def _memory_cache_terms(config, position_method: PositionMethod, record: Forward
     frame = unrotate = None
     if position_method.per_token:
         if record.memory is not None:
-            ctx = record.context
-            places = memory_frame(config, ctx.query_index[None], ctx.document_start)[1]
-            frame = position_method.shift_factors(places)[None, None]
+            frame = _frame_rotation(position_method, memory_tokens(config), record.context.query_index.device)
         if record.dropped:
             unrotate = position_method.shift_factors(-record.context.key_positions[:, : record.dropped]).unsqueeze(1)
     return MemoryTerms(record.memory, frame, unrotate)

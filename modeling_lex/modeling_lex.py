@@ -29,7 +29,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from configuration_lex.configuration_lex import LexConfig
 
-from .cache import LEX_CACHES, LexCache, LexStaticCache, forward_step
+from .cache import LEX_CACHES, LexCache, LexCacheSteps, LexStaticCache, forward_step
 from .generation import CACHE_NAME, LexGenerationMixin, accepts_both_cache_names, cache_field
 from .inputs import begin_forward
 from .kernels import eager_attention_forward, run_attention
@@ -172,19 +172,20 @@ class LexAttention(nn.Module):
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = query.transpose(1, 2), key.transpose(1, 2)
         value = self.v_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
-        memory, recalled = plan.cache_request.memory, None
         raw_query = query  # (the block memory chooses by the queries before positions)
-        query, key = encode_tokens(query, key, plan.token_factors)
-        if cache is not None:
-            key, value = cache.update(key, value, self.layer_idx, plan.cache_request)
-            if memory is not None and memory.read is not None:
-                recalled = cache.recall(self.layer_idx, raw_query)
+        query, key, frame_query = encode_tokens(query, key, plan.token_factors, plan.query_turn)
+        recalled = None
+        if isinstance(cache, LexCacheSteps):
+            key, value, recalled = cache.read(key, value, self.layer_idx, plan.cache_request, raw_query)
+        elif cache is not None:  # a transformers cache: every key of the stream
+            key, value = cache.update(key, value, self.layer_idx)
         dropout = self.config.attention_dropout if self.training else 0.0
         interface = eager_attention_forward
         # Maps come from the eager computation, whatever the backend; so do capped scores (SDPA cannot cap them).
         if not plan.attention_maps and self.softcap is None:
             interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, interface)
-        output, weights = run_attention(self, interface, query, key, value, plan, dropout, recalled, **kwargs)
+        output, weights = run_attention(self, interface, query, key, value, plan, dropout, recalled, frame_query,
+                                        **kwargs)
         output = output.reshape(batch, length, -1)
         if self.inner_attn_ln is not None:
             output = self.inner_attn_ln(output)
@@ -203,7 +204,7 @@ def without_positions(plan: AttentionPlan) -> AttentionPlan:
     if memory is not None:  # the block memory's keys: raw, and raw when evicted
         memory = dataclasses.replace(memory, frame=None, unrotate=None)
     request = dataclasses.replace(plan.cache_request, sink_rotation=None, memory=memory)
-    return dataclasses.replace(plan, tiles=tiles, token_factors=None, cache_request=request)
+    return dataclasses.replace(plan, tiles=tiles, token_factors=None, query_turn=None, cache_request=request)
 
 
 class LexDecoderLayer(GradientCheckpointingLayer):
@@ -330,6 +331,8 @@ class LexModel(LexPreTrainedModel):
         cache: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
+        hidden_states_to_keep: int = 0,
+        in_spans: bool = True,
         **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPast:
         """Hidden states of a LEX decoder.
@@ -338,20 +341,126 @@ class LexModel(LexPreTrainedModel):
         packing, e.g. `DataCollatorWithFlattening`): it sees nothing before it. `output_attentions=True` returns
         one (batch, heads, T, keys) map per layer for any length, zeros where the window hides a key; that
         takes O(T * keys) memory, the caller's choice.
+
+        An input longer than the window is read through a LEX cache a span at a time (`reading_spans`), so its
+        activations stay O(w) however long it is; with a block memory so is any input of more than one token
+        through a LexCache, and a long one without a cache through a new LexCache (returned with `use_cache`).
+        Of an input read so, only its last `hidden_states_to_keep` hidden states are returned (0: all of them),
+        what LexForCausalLM's `logits_to_keep` asks for. Maps and hidden states of every layer
+        (`output_attentions`, `output_hidden_states`) come from one forward over the whole input, and so does any
+        input with `in_spans=False` (a caller that runs `reading_spans` itself, one span a call).
         """
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        reference = input_ids if input_ids is not None else inputs_embeds
-        if reference.shape[1] == 0:
+        length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        if length == 0:
             raise ValueError("the input is empty: input_ids/inputs_embeds must hold at least one token")
+        if isinstance(cache, LexCache) and cache.stream.record_past:
+            # Only tokens whose hidden states this forward returns can be rejected by a later crop (the candidates
+            # generate() verifies); the cache may let the window move past the others.
+            scored = hidden_states_to_keep if hidden_states_to_keep > 0 else length
+            if scored < length:
+                cache.mark_removable(cache.seen + length - scored)
+        memory = memory_tokens(self.config) > 0
+        wants_internals = kwargs.get("output_hidden_states") or kwargs.get("output_attentions")
+        long = in_spans and not wants_internals and (length > self.config.attention_window
+                                                     or (memory and length > 1 and isinstance(cache, LexCache)))
+        if long and cache is None and memory:  # the memory fills while the input is read
+            outputs = self._read_in_spans(input_ids, inputs_embeds, attention_mask, position_ids,
+                                          LexCache(self.config), hidden_states_to_keep, **kwargs)
+            if not use_cache:
+                outputs[CACHE_NAME] = None
+            return outputs
+        if long and isinstance(cache, LEX_CACHES):
+            return self._read_in_spans(input_ids, inputs_embeds, attention_mask, position_ids, cache,
+                                       hidden_states_to_keep, **kwargs)
+        return self._read_once(input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache, **kwargs)
+
+    def reading_spans(self, length: int) -> list[tuple[int, int]]:
+        """The (start, stop) of each forward in which an input of `length` tokens is read through a LEX cache: w
+        tokens at a time; with a block memory, the w tokens before the last in pieces of p = max(b, w / 16)
+        (`memory_piece`; at most 16 forwards, whatever b), the last p / 4 of them in a forward of their own, and the
+        last token alone (see `_read_in_spans`)."""
+        window = self.config.attention_window
+        if not memory_tokens(self.config) or length == 1:
+            stops = set(range(window, length, window)) | {length}
+        else:
+            piece = memory_piece(self.config)
+            pieces_from = max(window, length - 1 - window)  # (a forward from token 0 to w evicts nothing first)
+            stops = set(range(window, pieces_from, window)) | set(range(pieces_from, length - 1, piece))
+            stops |= {length - 1, length}
+            tail = length - 1 - max(1, piece // 4)
+            if tail > pieces_from:
+                stops.add(tail)
+        stops = sorted(stops)
+        return list(zip([0] + stops[:-1], stops))
+
+    def _read_in_spans(
+        self,
+        input_ids: torch.LongTensor | None,
+        inputs_embeds: torch.FloatTensor | None,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.LongTensor | None,
+        cache: Cache,
+        hidden_states_to_keep: int,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> BaseModelOutputWithPast:
+        """Run a long input through the bounded cache w tokens at a time, so activations stay O(w), not O(n).
+
+        With a block memory, what the input ends with (a question about the document, as a rule) is read in pieces
+        (`reading_spans`), its last p / 4 tokens alone and its last token alone. A forward of T tokens retrieves
+        once, for b of its queries spread over it (memory.py; a piece for all of them): in a forward of w, the few
+        of them that fall on the question choose among blocks by what the filler before it looks for, and its later
+        queries have a gap of up to T - 1 keys between the memory (what the cache had evicted when the forward
+        began) and their window. In pieces more of the question's queries choose, and each forward starts from what
+        the one before it found (`Evidence.carried`), so the token that predicts the next one reads the blocks the
+        whole question points to (benchmarks/RESULTS.md: keys hidden in natural text at 90% of 32k tokens, 3 of 3
+        recalled against 0 of 3 read w at a time); the last p / 4 tokens, read without the filler before them, hand
+        on what the question's own words find (natural text at 50% of 32k: 2 of 3 against 0 of 3 with blocks of 16).
+
+        Only the last `hidden_states_to_keep` hidden states are kept (all of them when it is 0).
+        """
+        length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        if attention_mask is not None:  # the cache holds the past's padding flags: the new tokens' columns suffice
+            attention_mask = attention_mask[:, attention_mask.shape[1] - length :]
+        keep_from = length - hidden_states_to_keep if hidden_states_to_keep > 0 else 0
+        if isinstance(cache, LexCache):
+            cache.reserve_memory(cache.seen + length)
+        kept = []
+        for start, stop in self.reading_spans(length):
+            out = self._read_once(
+                None if input_ids is None else input_ids[:, start:stop],
+                None if attention_mask is None else attention_mask[:, start:stop],
+                None if position_ids is None else position_ids[:, start:stop],
+                cache,
+                None if inputs_embeds is None else inputs_embeds[:, start:stop],
+                True,
+                **kwargs,
+            )
+            if stop > keep_from:
+                kept.append(out.last_hidden_state[:, max(keep_from - start, 0) :])
+        return BaseModelOutputWithPast(last_hidden_state=torch.cat(kept, dim=1), **cache_field(cache))
+
+    def _read_once(
+        self,
+        input_ids: torch.LongTensor | None,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.LongTensor | None,
+        cache: Cache | None,
+        inputs_embeds: torch.FloatTensor | None,
+        use_cache: bool | None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> BaseModelOutputWithPast:
+        """One forward over the whole input: its record, its plan, every layer inside the cache's step."""
         if use_cache and cache is None:
             cache = LexCache(self.config)
+        reference = input_ids if input_ids is not None else inputs_embeds
         if memory_tokens(self.config) and reference.shape[1] > self.config.attention_window:
             raise ValueError(
                 f"an input of {reference.shape[1]} tokens in one forward with attention_memory_blocks="
                 f"{self.config.attention_memory_blocks}: the block memory is read at most attention_window="
-                f"{self.config.attention_window} tokens at a time, through a LexCache (LexForCausalLM's forward and "
-                "generate() read longer inputs so)"
+                f"{self.config.attention_window} tokens at a time, through a LexCache (forward() reads longer inputs "
+                "so, without output_attentions or output_hidden_states)"
             )
         record = begin_forward(self.config, *reference.shape[:2], self.embed_tokens.weight.device, attention_mask,
                                position_ids, cache)
@@ -387,62 +496,9 @@ class LexForCausalLM(LexPreTrainedModel, LexGenerationMixin, GenerationMixin):
         self.post_init()
 
     def reading_spans(self, length: int) -> list[tuple[int, int]]:
-        """The (start, stop) of each forward in which an input of `length` tokens is read through a LEX cache: w
-        tokens at a time; with a block memory, the w tokens before the last in pieces of p = max(b, w / 16)
-        (`memory_piece`; at most 16 forwards, whatever b), the last p / 4 of them in a forward of their own, and the
-        last token alone (see `_prefill_in_blocks`)."""
-        window = self.config.attention_window
-        if not memory_tokens(self.config) or length == 1:
-            stops = set(range(window, length, window)) | {length}
-        else:
-            piece = memory_piece(self.config)
-            pieces_from = max(window, length - 1 - window)  # (a forward from token 0 to w evicts nothing first)
-            stops = set(range(window, pieces_from, window)) | set(range(pieces_from, length - 1, piece))
-            stops |= {length - 1, length}
-            tail = length - 1 - max(1, piece // 4)
-            if tail > pieces_from:
-                stops.add(tail)
-        stops = sorted(stops)
-        return list(zip([0] + stops[:-1], stops))
-
-    def _prefill_in_blocks(
-        self, input_ids, inputs_embeds, attention_mask, position_ids, cache: Cache, logits_to_keep, **kwargs
-    ) -> BaseModelOutputWithPast:
-        """Run a long input through the bounded cache w tokens at a time, so activations stay O(w), not O(n).
-
-        With a block memory, what the input ends with (a question about the document, as a rule) is read in pieces
-        (`reading_spans`), its last p / 4 tokens alone and its last token alone. A forward of T tokens retrieves
-        once, for b of its queries spread over it (memory.py; a piece for all of them): in a forward of w, the few
-        of them that fall on the question choose among blocks by what the filler before it looks for, and its later
-        queries have a gap of up to T - 1 keys between the memory (what the cache had evicted when the forward
-        began) and their window. In pieces more of the question's queries choose, and each forward starts from what
-        the one before it found (`Evidence.carried`), so the token that predicts the next one reads the blocks the
-        whole question points to (benchmarks/RESULTS.md: keys hidden in natural text at 90% of 32k tokens, 3 of 3
-        recalled against 0 of 3 read w at a time); the last p / 4 tokens, read without the filler before them, hand
-        on what the question's own words find (natural text at 50% of 32k: 2 of 3 against 0 of 3 with blocks of 16).
-
-        Only the hidden states that `logits_to_keep` asks for are kept (all of them when it is 0).
-        """
-        length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
-        if attention_mask is not None:  # the cache holds the past's padding flags: the new tokens' columns suffice
-            attention_mask = attention_mask[:, attention_mask.shape[1] - length :]
-        keep_from = length - logits_to_keep if isinstance(logits_to_keep, int) and logits_to_keep > 0 else 0
-        if isinstance(cache, LexCache):
-            cache.reserve_memory(cache.seen + length)
-        kept = []
-        for start, stop in self.reading_spans(length):
-            out = self.model(
-                input_ids=None if input_ids is None else input_ids[:, start:stop],
-                inputs_embeds=None if inputs_embeds is None else inputs_embeds[:, start:stop],
-                attention_mask=None if attention_mask is None else attention_mask[:, start:stop],
-                position_ids=None if position_ids is None else position_ids[:, start:stop],
-                cache=cache,
-                use_cache=True,
-                **kwargs,
-            )
-            if stop > keep_from:
-                kept.append(out.last_hidden_state[:, max(keep_from - start, 0) :])
-        return BaseModelOutputWithPast(last_hidden_state=torch.cat(kept, dim=1), **cache_field(cache))
+        """The (start, stop) of each forward in which an input of `length` tokens is read through a LEX cache
+        (`LexModel.reading_spans`)."""
+        return self.model.reading_spans(length)
 
     @accepts_both_cache_names
     @can_return_tuple
@@ -458,38 +514,16 @@ class LexForCausalLM(LexPreTrainedModel, LexGenerationMixin, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
-        length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
-        if isinstance(cache, LexCache) and cache.stream.record_past:
-            # Only tokens whose logits this forward computes can be rejected by a later crop (the candidates
-            # generate() verifies); the cache may let the window move past the others.
-            scored = logits_to_keep if isinstance(logits_to_keep, int) and logits_to_keep > 0 else length
-            if scored < length:
-                cache.mark_removable(cache.seen + length - scored)
-        wants_internals = kwargs.get("output_hidden_states") or kwargs.get("output_attentions")
-        long = length > self.config.attention_window and not wants_internals
-        if memory_tokens(self.config) and length > 1 and not wants_internals:  # the last token alone (see there)
-            long = long or isinstance(cache, LexCache)
-        if long and cache is None and memory_tokens(self.config):  # the memory fills while the input is read
-            outputs = self._prefill_in_blocks(
-                input_ids, inputs_embeds, attention_mask, position_ids, LexCache(self.config), logits_to_keep,
-                **kwargs
-            )
-            if not (self.config.use_cache if use_cache is None else use_cache):
-                outputs[CACHE_NAME] = None
-        elif isinstance(cache, LEX_CACHES) and long:
-            outputs = self._prefill_in_blocks(
-                input_ids, inputs_embeds, attention_mask, position_ids, cache, logits_to_keep, **kwargs
-            )
-        else:
-            outputs = self.model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                cache=cache,
-                inputs_embeds=inputs_embeds,
-                use_cache=use_cache,
-                **kwargs,
-            )
+        outputs: BaseModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            hidden_states_to_keep=logits_to_keep if isinstance(logits_to_keep, int) else 0,
+            **kwargs,
+        )
         hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
         logits = self.lm_head(hidden_states)
         cap = self.config.final_logit_softcapping

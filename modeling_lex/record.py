@@ -3,10 +3,11 @@
 A forward of a LEX model has three moments, and only the last changes a cache:
 1. begin: `Stream.begin` (stream.py, through `inputs.begin_forward`) makes the forward's `ForwardRecord` from
    the caller's inputs and the stream as it is, before any layer runs. Nothing changes.
-2. each layer: inside `with cache.forward(record):`, `cache.update(key, value, layer_idx, request)` hands the
-   layer's new keys and the plan's `CacheRequest` to the cache, which returns the keys and values attention reads
-   (sink slots first); with a block memory, `cache.recall(layer_idx, query)` returns the blocks the layer's queries
-   choose, apart from them. What it holds does not change (transformers names `update`; it reads, it does not store).
+2. each layer: inside `with cache.forward(record):`, `cache.read(key, value, layer_idx, request, query)` hands
+   the layer's new keys, the plan's `CacheRequest` and the layer's queries to the cache, which returns what
+   attention reads: the keys and values of its span (sink slots first) and, with a block memory, the blocks the
+   layer's queries choose, apart from them. What it holds does not change (`update`, transformers' name, is the
+   same read without the block memory).
 3. commit: when the block ends after the last layer, the cache keeps what the record says (the sink slots' new
    contents, the last `keep` window keys, the evicted keys in the block memory) in every layer and moves the
    stream to `record.stream_after`. A forward that raises leaves the cache as it was: the block discards what the

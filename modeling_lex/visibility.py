@@ -80,8 +80,12 @@ def memory_frame(config, q_index: torch.Tensor, start: torch.Tensor) -> tuple[to
     """Where a query sees the block memory from: in a frame where its window starts at 0, the memory's k * b places
     just before it (-k * b ... -1) and the query at its offset in its window. Returns the query's place (the shape
     of q_index and start broadcast) and the memory's places (k * b,)."""
-    memory = memory_tokens(config)
-    return q_index - window_first(config, q_index, start), torch.arange(-memory, 0, device=q_index.device)
+    return q_index - window_first(config, q_index, start), memory_places(memory_tokens(config), q_index.device)
+
+
+def memory_places(count: int, device: torch.device) -> torch.Tensor:
+    """The block memory's `count` = k * b places in a query's frame: -k * b ... -1, just before its window."""
+    return torch.arange(-count, 0, device=device)
 
 
 def sink_frame(config, q_index: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -130,6 +134,6 @@ def chunk_map(total: int, n_keys: int, block: int, left: int, device: torch.devi
 
 
 __all__ = [
-    "chunk_map", "locate_in_window", "memory_frame", "memory_tokens", "seen_as_sink", "sink_count", "sink_frame",
+    "chunk_map", "locate_in_window", "memory_frame", "memory_places", "memory_tokens", "seen_as_sink", "sink_count", "sink_frame",
     "sink_indices", "window_first", "window_visible",
 ]

@@ -77,13 +77,15 @@ def apply_rotary(x: torch.Tensor, factors: torch.Tensor, out: torch.Tensor | Non
     return product.flatten(-2).to(x.dtype)
 
 
-def encode_tokens(query: torch.Tensor, key: torch.Tensor, factors: torch.Tensor | None):
+def encode_tokens(query: torch.Tensor, key: torch.Tensor, factors: torch.Tensor | None,
+                  turn: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The new tokens' queries and keys (B, H, T, d) encoded at their own positions by per-token `factors` (B, 1,
     T, d), as Llama's apply_rotary_pos_emb (RoPE: the cache then holds encoded keys); unchanged where a method is
-    not per token (None: the plan's tiles carry its terms)."""
-    if factors is None:
-        return query, key
-    return apply_rotary(query, factors), apply_rotary(key, factors)
+    not per token (None: the plan's tiles carry its terms). Third: the encoded queries turned once more by `turn`
+    (B, 1, 1, d), into the block memory's frame (`AttentionPlan.query_turn`), or None without a turn."""
+    if factors is not None:
+        query, key = apply_rotary(query, factors), apply_rotary(key, factors)
+    return query, key, None if turn is None else apply_rotary(query, turn)
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:

@@ -5,6 +5,7 @@ test_model.py), the float64 naive reference directly for xPos, and generate() wi
 (assisted and prompt-lookup decoding) is tested in test_assisted.py, the static cache in test_static_cache.py.
 """
 
+import contextlib
 import warnings
 
 import pytest
@@ -36,13 +37,17 @@ pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.oldest]
 
 
 def record_cache_size(model, cache: LexCache) -> list[int]:
-    """After every forward of the base model (each prefill chunk, each step): the most any layer holds."""
+    """After every forward's step through the cache (each prefill chunk, each step): the most any layer holds."""
     sizes = []
+    step = cache.forward
 
-    def hook(module, args, output):
+    @contextlib.contextmanager
+    def recorded(record):
+        with step(record):
+            yield
         sizes.append(max(max(layer.keys.shape[2] for layer in cache.layers), cache.stream.positions.shape[1]))
 
-    model.model.register_forward_hook(hook)
+    cache.forward = recorded
     return sizes
 
 

@@ -21,7 +21,7 @@ MODEL_ROOMS = {
     "modeling_lex.stream": "the stream's bookkeeping: documents, positions, the keep policy, sink slots, rollback",
     "modeling_lex.memory": "the block memory past the window: evicted keys in blocks, which queries choose, the evidence",
     "modeling_lex.generation": "every coupling to transformers' generate() loop, with the versions it targets",
-    "modeling_lex.cache": "the bounded caches: a forward's step, in which update reads and the step's end keeps",
+    "modeling_lex.cache": "the bounded caches: a forward's step, in which each layer reads and the step's end keeps",
     "modeling_lex.inputs": "the caller's mask, position ids and cache checked and read into a forward's record",
     "modeling_lex.masking": "the attention plan's tiles and masks: a pure function of a record",
     "modeling_lex.kernels": "the attention backends run over the plan's tiles, reading (never writing) the cache's keys",

@@ -41,7 +41,7 @@ def distinct_prompt(length: int, seed: int) -> torch.Tensor:
 
 def as_read(calls: list[int], block: int = BLOCK, window: int = W) -> list[int]:
     """The forwards the model runs for calls of these token counts with a block memory of blocks of `block`
-    (LexForCausalLM._prefill_in_blocks): of a call of n > 1 tokens, w at a time up to max(w, n - 1 - w), the rest
+    (LexModel._read_in_spans): of a call of n > 1 tokens, w at a time up to max(w, n - 1 - w), the rest
     but the last token in pieces of p = max(b, w // 16) with its last p // 4 tokens cut off into a forward of their
     own, then the last token alone."""
     piece = max(block, window // 16)
@@ -276,10 +276,23 @@ def test_the_last_window_is_read_in_sixteen_pieces_or_blocks(block):
     assert widths[4:] == [piece] * (1024 // piece - 1) + [piece - piece // 4, piece // 4, 1]
 
 
-def test_base_model_refuses_a_long_input():
+def test_base_model_reads_a_long_input_as_the_reference():
+    """LexModel reads an input longer than w through the block memory itself, as the head does (the head adds the
+    logits only): its hidden states through the LM head are the reference's logits, forward by forward."""
+    config = memory_config(attention_mode="sliding", attention_sinks=4)
+    model = perturbed_model(config, seed=4)
+    ids = distinct_prompt(3 * W + 5, seed=4)
+    with torch.no_grad():
+        hidden = model.model(ids).last_hidden_state
+    assert hidden.shape[1] == ids.shape[1]
+    assert_reference(model, ids, as_read([ids.shape[1]]), model.lm_head(hidden)[0])
+
+
+def test_base_model_refuses_a_long_input_in_one_forward():
+    """Hidden states of every layer come from one forward over the whole input, which the memory does not read."""
     config = memory_config(attention_mode="sliding")
     with pytest.raises(ValueError, match="attention_memory_blocks=3"):
-        LexForCausalLM(config).model(prompt(1, W + 1))
+        LexForCausalLM(config).model(prompt(1, W + 1), output_hidden_states=True)
 
 
 @pytest.mark.parametrize("method", ["rope", "xpos"])

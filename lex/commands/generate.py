@@ -118,7 +118,7 @@ def read_into_memory(model, input_ids: torch.Tensor, memory_directory: Path | No
     spans = model.reading_spans(input_ids.shape[1])[:-1]  # (the last: the last token alone, which generate() reads)
     with tqdm(total=input_ids.shape[1] - 1, desc="prompt", unit="tok", disable=not enabled, file=sys.stderr) as bar:
         for start, stop in spans:
-            model.model(input_ids=input_ids[:, start:stop], cache=cache, use_cache=True)
+            model.model(input_ids=input_ids[:, start:stop], cache=cache, use_cache=True, in_spans=False)
             bar.set_postfix_str(f"memory {cache.memory_bytes / 1e6:.1f} MB", refresh=False)
             bar.update(stop - start)
     return cache
