@@ -39,7 +39,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, Dynam
 
 from .generation import init_cache_layers
 from .memory import BlockMemory, Evidence
-from .record import CacheRequest, ForwardRecord, MemoryTerms
+from .record import CacheRequest, ForwardRecord, MemoryRead
 from .stream import Stream, _mark_static
 from .visibility import memory_piece, memory_tokens, sink_count
 from .xpos import apply_rotary
@@ -79,7 +79,7 @@ class LexCacheLayer(DynamicLayer):
 
     With a block memory (memory.py), the keys and values `commit` drops go there, and `recall` returns the blocks
     the layer's queries choose, apart from the span (held in the memory's frame, so that a decoding step neither
-    rotates nor copies them), as the record and the plan say (`CacheRequest.memory`)."""
+    rotates nor copies them), as the record and the plan say (`ForwardRecord.memory`, `CacheRequest`)."""
 
     def __init__(self, memory: BlockMemory | None = None) -> None:
         self._window: list[tuple[torch.Tensor, int, int] | None] = [None, None]  # keys, values: (buffer, begin, end)
@@ -87,7 +87,7 @@ class LexCacheLayer(DynamicLayer):
         self._rotated = False  # the buffer's copy of the sink keys is rotated (between update and commit)
         self._joined: list[torch.Tensor | None] = [None, None]  # under autograd: the window part and the new keys
         self.memory = memory
-        self._memory_terms: MemoryTerms | None = None  # the forward's, between update and commit
+        self._request: CacheRequest | None = None  # the forward's, between update and commit
         super().__init__()
 
     @property
@@ -143,14 +143,14 @@ class LexCacheLayer(DynamicLayer):
         """The sink slots, the window part and the new keys (and values), as attention reads them."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self._memory_terms = request.memory
+        self._request = request
         return self._span(0, key_states, request.sink_rotation), self._span(1, value_states, None)
 
-    def recall(self, query: torch.Tensor, evidence: Evidence) -> tuple[torch.Tensor, torch.Tensor]:
-        """The blocks of the block memory that this forward's queries (B, Hq, T, d, before positions) choose by its
-        `evidence`, keys in the memory's frame (`BlockMemory.read`), as attention reads them beside the span."""
-        terms = self._memory_terms
-        return self.memory.read(query, terms.read, evidence, terms.frame)
+    def recall(self, query: torch.Tensor, read: MemoryRead, evidence: Evidence) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks of the block memory (of those the forward may `read`) that its queries (B, Hq, T, d, before
+        positions) choose by its `evidence`, keys in the memory's frame (`BlockMemory.read`), as attention reads
+        them beside the span."""
+        return self.memory.read(query, read, evidence, self._request.memory_frame)
 
     def _span(self, which: int, new: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
         """The sink slots (rotated by `rotation`), the window part and `new` as one span: `new` written after the
@@ -183,7 +183,7 @@ class LexCacheLayer(DynamicLayer):
         slots first), then the last `keep` keys of the window part with the forward's new keys."""
         if not self.is_initialized:
             return
-        terms, self._memory_terms = self._memory_terms, None
+        request, self._request = self._request, None
         evicted = []
         for which in (0, 1):
             joined, self._joined[which] = self._joined[which], None
@@ -195,7 +195,7 @@ class LexCacheLayer(DynamicLayer):
                 end += record.new_tokens
             if self.memory is not None:  # the keys that leave the window part, without positions
                 dropped = buffer[:, :, begin : begin + record.dropped]  # (copied: `_hold` may write over them)
-                unrotate = terms.unrotate if which == 0 and terms is not None else None
+                unrotate = request.memory_unrotate if which == 0 and request is not None else None
                 evicted.append(dropped.clone() if unrotate is None else apply_rotary(dropped, unrotate))
             if record.sink_source is not None:  # (not while decoding once the window has moved past the sinks)
                 read = buffer[:, :, begin:end] if sinks is None else torch.cat([sinks, buffer[:, :, begin:end]], dim=2)
@@ -229,7 +229,7 @@ class LexCacheLayer(DynamicLayer):
     def discard(self) -> None:
         """The forward raised: drop what it read (the buffer's copy of the sink keys may stay rotated: `keys` reads
         the raw ones, and the next `update` writes over it)."""
-        self._joined, self._memory_terms = [None, None], None
+        self._joined, self._request = [None, None], None
         if self.memory is not None:
             self.memory.discard()
 
@@ -288,19 +288,18 @@ class LexCacheSteps:
              query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """What layer `layer_idx` of the forward open now attends to, for the plan's `request`: the keys and values
         of its span (sink slots first, the new ones last) and, with a block memory, the blocks its queries (B, Hq, T,
-        d, before positions) choose, keys in the memory's frame (`MemoryTerms.frame`; None: no memory to read).
+        d, before positions) choose, keys in the memory's frame (`CacheRequest.memory_frame`; None: no memory to read).
         What the layer holds changes when the forward's step ends."""
         layer = self.layers[layer_idx]
         keys, values = layer.update(key_states, value_states, request)
-        return keys, values, self._recall(layer, query, request)
+        return keys, values, self._recall(layer, query)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                request: CacheRequest | None = None, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """transformers' name for `read` without the block memory: the keys and values of the span."""
         return self.layers[layer_idx].update(key_states, value_states, request or CacheRequest())
 
-    def _recall(self, layer: CacheLayerMixin, query: torch.Tensor, request: CacheRequest
-                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _recall(self, layer: CacheLayerMixin, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The block memory's blocks a layer reads (none in a cache without one)."""
         return None
 
@@ -334,6 +333,7 @@ class LexCache(LexCacheSteps, DynamicCache):
         # (B, blocks then): what the last forward that chose blocks found, one layer's worth; None before one
         self.memory_evidence: torch.Tensor | None = None
         self._evidence: Evidence | None = None  # the forward's, while one is open
+        self._read: MemoryRead | None = None  # what the forward open now reads of the block memory
 
     def _memory(self) -> BlockMemory | None:
         """A layer's block memory, or None without one."""
@@ -381,7 +381,7 @@ class LexCache(LexCacheSteps, DynamicCache):
 
     def _open(self, record: ForwardRecord) -> None:
         """A forward that reads the block memory starts its evidence from what the last one that chose found."""
-        read = record.memory
+        read = self._read = record.memory
         if read is None:
             return
         carried = torch.zeros(read.candidates.shape, device=read.candidates.device)
@@ -389,16 +389,14 @@ class LexCache(LexCacheSteps, DynamicCache):
             carried[:, : self.memory_evidence.shape[1]] = self.memory_evidence
         self._evidence = Evidence(carried)
 
-    def _recall(self, layer: LexCacheLayer, query: torch.Tensor, request: CacheRequest
-                ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        memory = request.memory
-        return None if memory is None or memory.read is None else layer.recall(query, self._evidence)
+    def _recall(self, layer: LexCacheLayer, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if self._read is None else layer.recall(query, self._read, self._evidence)
 
     def _close(self, record: ForwardRecord | None = None) -> None:
         found = None if record is None or self._evidence is None else self._evidence.found()
         if found is not None:  # a forward that chose: what it found is what the next one starts from
             self.memory_evidence = found
-        self._evidence = None
+        self._evidence = self._read = None
 
     def _apply_to_rows(self, function: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Beam reordering and batch selection of what the cache holds besides its layers."""

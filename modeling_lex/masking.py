@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .positions import PositionMethod
-from .record import AttentionContext, CacheRequest, ForwardRecord, MemoryRead, MemoryTerms
+from .record import AttentionContext, CacheRequest, ForwardRecord
 from .visibility import (
     chunk_map, locate_in_window, memory_frame, memory_places, memory_tokens, seen_as_sink, sink_count, sink_frame,
     sink_indices, window_visible,
@@ -175,8 +175,11 @@ def _sink_frame_terms(position_method: PositionMethod, terms: tuple, frame: tupl
 
 def _dense_tile(
     config, position_method: PositionMethod, ctx: AttentionContext, queries: slice, keys: slice, dtype: torch.dtype,
-    plain: bool, memory: MemoryRead | None = None,
+    plain: bool, record: ForwardRecord | None = None,
 ) -> Tile:
+    """The tile of queries `queries` against the window part's keys `keys` and the sink columns; with the `record`
+    of a forward that reads the block memory, the memory's slots last."""
+    memory = None if record is None else record.memory
     anchor = ctx.query_positions[:, queries.start : queries.start + 1]
     k_index = ctx.key_index[keys].expand(anchor.shape[0], -1)
     k_positions, k_valid = ctx.key_positions[:, keys], ctx.key_valid[:, keys]
@@ -238,7 +241,7 @@ def _memory_terms(position_method: PositionMethod, terms: tuple, config, ctx: At
     memory_query_rotation).
 
     A method that is not per token gets their terms in the frame, met by the query's second copy (the sinks' own,
-    or made here). Per-token RoPE: the memory holds its keys at their frame places (`MemoryTerms.frame`), and
+    or made here). Per-token RoPE: the memory holds its keys at their frame places (`CacheRequest.memory_frame`), and
     `memory_place` (B, 1, 1, d) turns them by one shift to where the queries meet them, where the query meets its
     sinks through a second copy shifted into the frame: by `origin` (the position the sinks' frame puts frame place
     0 at: their first position plus S + k * b, or k * b without sinks), as the sinks' keys sit. One query per row
@@ -360,7 +363,7 @@ def build_plan(
     if total <= window or attention_maps or ctx.allowed is not None:  # a 4D mask is O(T * K) already
         plain = record.plain and not attention_maps
         plan.tiles = [_dense_tile(config, position_method, ctx, slice(0, total), slice(0, n_keys), dtype, plain,
-                                  record.memory)]
+                                  record)]
     elif config.attention_mode != "full":
         if record.plain and record.aligned and not sink_count(config):  # w queries plainly causal, then one pattern
             first = _dense_tile(config, position_method, ctx, slice(0, window), slice(0, window), dtype, plain=True)
@@ -377,10 +380,9 @@ def build_plan(
     first = plan.tiles[0]
     if not attention_maps:
         plan.query_turn = first.memory_query_rotation
-    plan.cache_request = CacheRequest(
-        sink_rotation=first.sink_key_rotation if first.sinks_in_slots else None,
-        memory=_memory_cache_terms(config, position_method, record) if memory_tokens(config) else None,
-    )
+    frame, unrotate = _memory_rotations(config, position_method, record)
+    plan.cache_request = CacheRequest(sink_rotation=first.sink_key_rotation if first.sinks_in_slots else None,
+                                      memory_frame=frame, memory_unrotate=unrotate)
     return plan
 
 
@@ -391,16 +393,17 @@ def _frame_rotation(position_method: PositionMethod, places: int, device: torch.
     return position_method.shift_factors(memory_places(places, device))[None, None]
 
 
-def _memory_cache_terms(config, position_method: PositionMethod, record: ForwardRecord) -> MemoryTerms:
-    """What each layer's cache needs for the block memory: what to read, and (per-token RoPE) the rotation of the
-    keys it reads to their frame places and of the keys this forward evicts back to position 0."""
+def _memory_rotations(config, position_method: PositionMethod, record: ForwardRecord
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """What each layer's cache needs for the block memory under per-token RoPE (else None, None): the rotation of
+    the keys it reads to their frame places and of the keys this forward evicts back to position 0."""
     frame = unrotate = None
-    if position_method.per_token:
+    if position_method.per_token and memory_tokens(config):
         if record.memory is not None:
             frame = _frame_rotation(position_method, memory_tokens(config), record.context.query_index.device)
         if record.dropped:
             unrotate = position_method.shift_factors(-record.context.key_positions[:, : record.dropped]).unsqueeze(1)
-    return MemoryTerms(record.memory, frame, unrotate)
+    return frame, unrotate
 
 
 __all__ = ["AttentionPlan", "Tile", "build_plan"]

@@ -7,7 +7,7 @@ that specification in code, and tests/reference.py a float64 naive one. Why the 
 benchmarks/journal/, not here.
 
 In short: keys and values that leave a LexCache's window part are appended here in stream order, without positions
-(RoPE keys rotated back to position 0: `MemoryTerms.unrotate`), in blocks of b = `attention_memory_block_size`, each
+(RoPE keys rotated back to position 0: `CacheRequest.memory_unrotate`), in blocks of b = `attention_memory_block_size`, each
 complete block with `representative_count(b)` representative keys (its keys of largest norm). Each layer scores the
 candidate blocks (`MemoryRead.candidates`) for the forward's choosing queries (`choosing_queries`), adds the score
 to the forward's `Evidence` (the layers below it, and what the last forward that chose found) and reads the blocks
@@ -31,6 +31,24 @@ from torch import nn
 
 from .record import MemoryRead
 from .xpos import apply_rotary
+
+
+def readable_blocks(config, evicted_valid: torch.Tensor, document: torch.Tensor, sinks: int) -> MemoryRead | None:
+    """What a forward reads of the block memory, from whether each evicted token is real (`evicted_valid` (B, E)):
+    the complete blocks, all real and after the `sinks` sinks of the document of the forward's last query (which
+    starts at `document`, (B,)), and the slots they fill; None where no row has a candidate."""
+    slots, block = config.attention_memory_blocks, config.attention_memory_block_size
+    blocks = evicted_valid.shape[1] // block
+    if blocks == 0:
+        return None
+    real = evicted_valid[:, : blocks * block].unflatten(1, (blocks, block)).all(-1)
+    first = torch.arange(blocks, device=document.device) * block
+    candidates = real & (first[None, :] >= document[:, None] + sinks)
+    count = candidates.sum(1).clamp(max=slots)
+    if not bool(count.any()):
+        return None
+    filled = torch.arange(slots, device=document.device)[None, :] >= slots - count[:, None]
+    return MemoryRead(candidates, filled.repeat_interleave(block, dim=1), document)
 
 
 def representative_count(block: int) -> int:
@@ -258,7 +276,7 @@ class BlockMemory:
     def read(self, query: torch.Tensor, read: MemoryRead, evidence: Evidence,
              frame: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The k slots' keys and values (B, H, k*block, d) for a layer's queries (B, Hq, T, d) before positions: the
-        keys rotated by `frame` to their places in the memory's frame (RoPE, `MemoryTerms.frame`), else raw; the
+        keys rotated by `frame` to their places in the memory's frame (RoPE, `CacheRequest.memory_frame`), else raw; the
         empty slots (first) hold block 0, masked by the plan. Its `choosing_queries` score the blocks; this layer's
         scores join the forward's `evidence`, which chooses. A forward of one token among the same complete blocks
         as the last choice (a decoding step before the next block completes) reads the blocks chosen then, as they
@@ -312,5 +330,5 @@ class BlockMemory:
 
 __all__ = [
     "BlockMemory", "Evidence", "block_representatives", "block_scores", "choose_blocks", "choosing_queries", "placed",
-    "representative_count",
+    "readable_blocks", "representative_count",
 ]

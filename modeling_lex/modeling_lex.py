@@ -200,10 +200,8 @@ def without_positions(plan: AttentionPlan) -> AttentionPlan:
     tiles = [dataclasses.replace(tile, sink_query_factors=None, sink_key_rotation=None, memory_place=None,
                                   memory_query_rotation=None)
              for tile in plan.tiles]
-    memory = plan.cache_request.memory
-    if memory is not None:  # the block memory's keys: raw, and raw when evicted
-        memory = dataclasses.replace(memory, frame=None, unrotate=None)
-    request = dataclasses.replace(plan.cache_request, sink_rotation=None, memory=memory)
+    # (the block memory's keys: raw, and raw when evicted)
+    request = dataclasses.replace(plan.cache_request, sink_rotation=None, memory_frame=None, memory_unrotate=None)
     return dataclasses.replace(plan, tiles=tiles, token_factors=None, query_turn=None, cache_request=request)
 
 

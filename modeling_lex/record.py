@@ -118,22 +118,16 @@ class MemoryRead:
 
 
 @dataclass(frozen=True)
-class MemoryTerms:
-    """What each layer's cache gets with its keys for the block memory (`CacheRequest.memory`)."""
-
-    read: MemoryRead | None  # None: nothing to read in this forward
-    frame: torch.Tensor | None  # (1, 1, k * block, d): rotation of raw memory keys to their places in the frame,
-    # applied once per choice (RoPE; visibility.memory_frame): the memory holds the blocks it read so
-    unrotate: torch.Tensor | None  # (B, 1, dropped, d): undoes the rotation of the keys this forward evicts (RoPE)
-
-
-@dataclass(frozen=True)
 class CacheRequest:
     """What a layer hands a LEX cache with its new keys (`cache.update(key, value, layer_idx, request)`), the same
     for every layer of a forward. Other caches take it as an extra argument they ignore."""
 
     sink_rotation: torch.Tensor | None = None  # the rotation of the cache's copy of its sink slots (RoPE), if any
-    memory: MemoryTerms | None = None  # what to read of the block memory and in which frame (None: no memory)
+    # With a block memory (RoPE; None otherwise and in layers without positions): (1, 1, k * b, d), the rotation of
+    # raw memory keys to their places in the frame (visibility.memory_frame), applied once per choice, so the memory
+    # holds the blocks it read so; and (B, 1, dropped, d), what undoes the rotation of the keys this forward evicts.
+    memory_frame: torch.Tensor | None = None
+    memory_unrotate: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -162,5 +156,5 @@ class ForwardRecord:
 
 
 __all__ = [
-    "AttentionContext", "CacheRequest", "ForwardRecord", "MemoryRead", "MemoryTerms", "StreamAfter", "StreamState",
+    "AttentionContext", "CacheRequest", "ForwardRecord", "MemoryRead", "StreamAfter", "StreamState",
 ]

@@ -24,7 +24,8 @@ from dataclasses import fields
 
 import torch
 
-from .record import AttentionContext, ForwardRecord, MemoryRead, StreamAfter, StreamState
+from .memory import readable_blocks
+from .record import AttentionContext, ForwardRecord, StreamAfter, StreamState
 from .visibility import locate_in_window, sink_count, sink_indices
 
 
@@ -174,7 +175,8 @@ class Stream:
             **sinks_after,
         )
         return ForwardRecord(context, None if self.unbounded else keep, sink_source, plain, aligned, stream_after,
-                             memory=self._memory_read(document_start[:, -1]) if self.memory else None)
+                             memory=readable_blocks(self.config, self.memory_valid, document_start[:, -1], self.sinks)
+                             if self.memory else None)
 
     def commit(self, record: ForwardRecord) -> None:
         """Store the stream's metadata after the record's forward (static: in place, the buffers keep their
@@ -193,25 +195,6 @@ class Stream:
             self.seen, self.after, self.state, self.base = after.seen, after.after, after.state, after.base
         self.sink_slots, self.floor = after.sink_slots, after.floor
         self.memory_valid = after.memory_valid
-
-    # ------------------------------------------------------------------------------------------------ block memory
-
-    def _memory_read(self, document: torch.Tensor) -> MemoryRead | None:
-        """What this forward reads of the block memory (memory.py): the complete blocks of evicted tokens, all real
-        and after the sinks of the document of the forward's last query (which starts at `document`, (B,)), and the
-        slots they fill; None where no row has a candidate."""
-        slots, block = self.config.attention_memory_blocks, self.config.attention_memory_block_size
-        blocks = self.memory_valid.shape[1] // block
-        if blocks == 0:
-            return None
-        real = self.memory_valid[:, : blocks * block].unflatten(1, (blocks, block)).all(-1)
-        first = torch.arange(blocks, device=document.device) * block
-        candidates = real & (first[None, :] >= document[:, None] + self.sinks)
-        count = candidates.sum(1).clamp(max=slots)
-        if not bool(count.any()):
-            return None
-        filled = torch.arange(slots, device=document.device)[None, :] >= slots - count[:, None]
-        return MemoryRead(candidates, filled.repeat_interleave(block, dim=1), document)
 
     # ------------------------------------------------------------------------------------------------ sink slots
 

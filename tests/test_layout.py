@@ -10,16 +10,16 @@ PACKAGES = ("lex_base", "configuration_lex", "modeling_lex", "convert", "lex")
 LAYERS = {"lex_base": -1, "configuration_lex": 0, "modeling_lex": 1, "convert": 2, "lex": 3, "lex.metrics": 4,
           "lex.commands": 4, "lex.cli": 5}
 # The rooms of modeling_lex/, each importing only rooms before it: formulas, then who sees whom, one forward's
-# record and the shared terms, the stream's bookkeeping, the block memory, the generate() glue, the caches that keep what a record
-# says, the caller's inputs read into a record, the attention plan made from a record, the kernels that run it,
-# and the model file that reads top to bottom.
+# record and the shared terms, the block memory, the stream's bookkeeping, the generate() glue, the caches that
+# keep what a record says, the caller's inputs read into a record, the attention plan made from a record, the
+# kernels that run it, and the model file that reads top to bottom.
 MODEL_ROOMS = {
     "modeling_lex.xpos": "position formulas (xPos, RoPE, ALiBi, KERPLE, Sandwich, sinusoidal)",
     "modeling_lex.positions": "one class per position_embedding_type, in one registry",
     "modeling_lex.visibility": "who sees whom: the window rule, the one sink rule, the chunk index map",
     "modeling_lex.record": "one forward's frozen record and the typed request a layer hands its cache; the shared terms",
+    "modeling_lex.memory": "the block memory: which blocks a forward may read, the store, who chooses, the evidence",
     "modeling_lex.stream": "the stream's bookkeeping: documents, positions, the keep policy, sink slots, rollback",
-    "modeling_lex.memory": "the block memory past the window: evicted keys in blocks, which queries choose, the evidence",
     "modeling_lex.generation": "every coupling to transformers' generate() loop, with the versions it targets",
     "modeling_lex.cache": "the bounded caches: a forward's step, in which each layer reads and the step's end keeps",
     "modeling_lex.inputs": "the caller's mask, position ids and cache checked and read into a forward's record",
@@ -115,3 +115,21 @@ def test_no_import_cycle():
         if name not in state:
             visit(name, [name])
     assert cycles == []
+
+
+MEMORY_TYPES = {"BlockMemory", "Evidence", "MemoryRead"}
+
+
+def test_the_memory_types_are_named_in_three_rooms():
+    """The block memory's types appear in its own room, in the record that carries what a forward reads of it, and
+    in the cache that holds it: the plan, the stream and the model pass it on without naming it."""
+    naming = set()
+    for name, path in project_modules().items():
+        if name.startswith("modeling_lex."):
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            words = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+            words |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for alias in node.names}
+            words |= {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+            if words & MEMORY_TYPES:
+                naming.add(name)
+    assert naming == {"modeling_lex.record", "modeling_lex.memory", "modeling_lex.cache"}
