@@ -12,12 +12,12 @@ followed by its window part; between forwards that is at most
   - sliding: S + the last w - 1;
   - full: everything (the ordinary unbounded cache; no sink slots).
 The bookkeeping (documents, positions, what to keep, rollback) is `stream.Stream`'s: each forward's record
-(record.py) says what the layers keep. A cache's state changes in one place: a forward runs its layers inside
-`with cache.forward(record):`, where each layer's `read(key, value, layer_idx, request, query)` returns what
-attention reads (its span and, with a block memory, the blocks its queries choose) and changes nothing held
-(`update`, transformers' name, is the same read without the block memory), and when the block ends every layer
-keeps what the record says and the stream moves on; if the forward raises, every layer drops what it read. So a forward that
-raises leaves the cache as it was, and reading `keys`/`values` changes nothing. Both caches share that contract
+(record.py) says what the layers keep. A cache's state changes in one place: a forward runs its layers inside `with
+cache.forward(record):`, where each layer's `read(key, value, layer_idx, request, query)` returns what attention
+reads (its span and, with a block memory, the blocks its queries choose) and changes nothing held (`update`,
+transformers' name, is the same read without the block memory), and when the block ends every layer keeps what the
+record says and the stream moves on; if the forward raises, every layer drops what it read. So a forward that raises
+leaves the cache as it was, and reading `keys`/`values` changes nothing. Both caches share that contract
 (`LexCacheSteps`):
 
 - `LexCache` (generate()'s default) grows and shrinks. While recording the past (assisted and prompt-lookup
@@ -38,8 +38,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer, StaticCache
 
 from .generation import init_cache_layers
-from .memory import BlockMemory, Evidence
-from .record import CacheRequest, ForwardRecord, MemoryRead
+from .memory import BlockMemory, Choice, Evidence, MemoryStep
+from .record import CacheRequest, ForwardRecord
 from .stream import Stream, _mark_static
 from .visibility import memory_piece, memory_tokens, sink_count
 from .xpos import apply_rotary
@@ -77,9 +77,9 @@ class LexCacheLayer(DynamicLayer):
     writes a tensor the cache returned); the slots' raw contents are kept apart (`_sinks`) and written back at
     `commit`, and until then `keys` reads them from there. Under autograd the buffers are never written in place.
 
-    With a block memory (memory.py), the keys and values `commit` drops go there, and `recall` returns the blocks
-    the layer's queries choose, apart from the span (held in the memory's frame, so that a decoding step neither
-    rotates nor copies them), as the record and the plan say (`ForwardRecord.memory`, `CacheRequest`)."""
+    With a block memory (memory.py), the keys and values `commit` drops go there, with the choice the layer read
+    in the forward (`LexCache.read` returns its blocks apart from the span, held in the memory's frame, so that a
+    decoding step neither rotates nor copies them)."""
 
     def __init__(self, memory: BlockMemory | None = None) -> None:
         self._window: list[tuple[torch.Tensor, int, int] | None] = [None, None]  # keys, values: (buffer, begin, end)
@@ -146,12 +146,6 @@ class LexCacheLayer(DynamicLayer):
         self._request = request
         return self._span(0, key_states, request.sink_rotation), self._span(1, value_states, None)
 
-    def recall(self, query: torch.Tensor, read: MemoryRead, evidence: Evidence) -> tuple[torch.Tensor, torch.Tensor]:
-        """The blocks of the block memory (of those the forward may `read`) that its queries (B, Hq, T, d, before
-        positions) choose by its `evidence`, keys in the memory's frame (`BlockMemory.read`), as attention reads
-        them beside the span."""
-        return self.memory.read(query, read, evidence, self._request.memory_frame)
-
     def _span(self, which: int, new: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
         """The sink slots (rotated by `rotation`), the window part and `new` as one span: `new` written after the
         window part (where there is no room, the sink slots and the window part move, to the front of the buffer or
@@ -178,9 +172,10 @@ class LexCacheLayer(DynamicLayer):
             self._rotated = rotation is not None
         return buffer[:, :, begin - count : stop]
 
-    def commit(self, record: ForwardRecord) -> None:
+    def commit(self, record: ForwardRecord, choice: Choice | None = None) -> None:
         """Hold what the record says: the sink slots' new contents (taken from the raw keys the forward read, sink
-        slots first), then the last `keep` keys of the window part with the forward's new keys."""
+        slots first), then the last `keep` keys of the window part with the forward's new keys; with a block
+        memory, the keys the window part drops and the `choice` the layer read."""
         if not self.is_initialized:
             return
         request, self._request = self._request, None
@@ -204,7 +199,7 @@ class LexCacheLayer(DynamicLayer):
             self._hold(which, buffer, first, end, sinks, rewrite=record.sink_source is not None or first != begin)
         self._rotated = False
         if self.memory is not None:
-            self.memory.commit(tuple(evicted))
+            self.memory.commit(choice, tuple(evicted))
 
     def _hold(self, which: int, buffer: torch.Tensor, first: int, end: int, sinks: torch.Tensor | None,
               rewrite: bool) -> None:
@@ -230,8 +225,6 @@ class LexCacheLayer(DynamicLayer):
         """The forward raised: drop what it read (the buffer's copy of the sink keys may stay rotated: `keys` reads
         the raw ones, and the next `update` writes over it)."""
         self._joined, self._request = [None, None], None
-        if self.memory is not None:
-            self.memory.discard()
 
     def keep_window(self, keep: int) -> None:
         """Hold only the last `keep` keys of the window part (a crop)."""
@@ -279,8 +272,7 @@ class LexCacheSteps:
                 layer.discard()
             self._close()
             raise
-        for layer in self.layers:
-            layer.commit(record)
+        self._commit_layers(record)
         self.stream.commit(record)
         self._close(record)
 
@@ -288,20 +280,26 @@ class LexCacheSteps:
              query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """What layer `layer_idx` of the forward open now attends to, for the plan's `request`: the keys and values
         of its span (sink slots first, the new ones last) and, with a block memory, the blocks its queries (B, Hq, T,
-        d, before positions) choose, keys in the memory's frame (`CacheRequest.memory_frame`; None: no memory to read).
+        d, before positions) choose, keys in the memory's frame (`CacheRequest.memory_frame`; None: no memory to
+        read).
         What the layer holds changes when the forward's step ends."""
         layer = self.layers[layer_idx]
         keys, values = layer.update(key_states, value_states, request)
-        return keys, values, self._recall(layer, query)
+        return keys, values, self._recall(layer_idx, query, request)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                request: CacheRequest | None = None, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """transformers' name for `read` without the block memory: the keys and values of the span."""
         return self.layers[layer_idx].update(key_states, value_states, request or CacheRequest())
 
-    def _recall(self, layer: CacheLayerMixin, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _recall(self, layer_idx: int, query: torch.Tensor, request: CacheRequest
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The block memory's blocks a layer reads (none in a cache without one)."""
         return None
+
+    def _commit_layers(self, record: ForwardRecord) -> None:
+        for layer in self.layers:
+            layer.commit(record)
 
     def _open(self, record: ForwardRecord) -> None:
         """What the cache keeps for the length of one forward (nothing, but for the block memory's evidence)."""
@@ -332,8 +330,7 @@ class LexCache(LexCacheSteps, DynamicCache):
         self.stream = Stream(config)
         # (B, blocks then): what the last forward that chose blocks found, one layer's worth; None before one
         self.memory_evidence: torch.Tensor | None = None
-        self._evidence: Evidence | None = None  # the forward's, while one is open
-        self._read: MemoryRead | None = None  # what the forward open now reads of the block memory
+        self._step: MemoryStep | None = None  # what the forward open now gathers from the block memory
 
     def _memory(self) -> BlockMemory | None:
         """A layer's block memory, or None without one."""
@@ -381,22 +378,35 @@ class LexCache(LexCacheSteps, DynamicCache):
 
     def _open(self, record: ForwardRecord) -> None:
         """A forward that reads the block memory starts its evidence from what the last one that chose found."""
-        read = self._read = record.memory
+        read = record.memory
         if read is None:
             return
         carried = torch.zeros(read.candidates.shape, device=read.candidates.device)
         if self.memory_evidence is not None:  # (blocks complete since then: nothing carried)
             carried[:, : self.memory_evidence.shape[1]] = self.memory_evidence
-        self._evidence = Evidence(carried)
+        self._step = MemoryStep(read, Evidence(carried))
 
-    def _recall(self, layer: LexCacheLayer, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return None if self._read is None else layer.recall(query, self._read, self._evidence)
+    def _recall(self, layer_idx: int, query: torch.Tensor, request: CacheRequest
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The blocks layer `layer_idx`'s queries choose, by the evidence of the layers before it; the choice is
+        the forward step's until it commits."""
+        step = self._step
+        if step is None:
+            return None
+        choice = self.layers[layer_idx].memory.read(query, step.read, step.evidence, request.memory_frame)
+        step.choices[layer_idx] = choice
+        return choice.keys, choice.values
+
+    def _commit_layers(self, record: ForwardRecord) -> None:
+        choices = {} if self._step is None else self._step.choices
+        for index, layer in enumerate(self.layers):
+            layer.commit(record, choices.get(index))
 
     def _close(self, record: ForwardRecord | None = None) -> None:
-        found = None if record is None or self._evidence is None else self._evidence.found()
+        found = None if record is None or self._step is None else self._step.evidence.found()
         if found is not None:  # a forward that chose: what it found is what the next one starts from
             self.memory_evidence = found
-        self._evidence = self._read = None
+        self._step = None
 
     def _apply_to_rows(self, function: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Beam reordering and batch selection of what the cache holds besides its layers."""

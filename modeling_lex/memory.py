@@ -7,11 +7,12 @@ that specification in code, and tests/reference.py a float64 naive one. Why the 
 benchmarks/journal/, not here.
 
 In short: keys and values that leave a LexCache's window part are appended here in stream order, without positions
-(RoPE keys rotated back to position 0: `CacheRequest.memory_unrotate`), in blocks of b = `attention_memory_block_size`, each
-complete block with `representative_count(b)` representative keys (its keys of largest norm). Each layer scores the
-candidate blocks (`MemoryRead.candidates`) for the forward's choosing queries (`choosing_queries`), adds the score
-to the forward's `Evidence` (the layers below it, and what the last forward that chose found) and reads the blocks
-`choose_blocks` picks by it, in the slots `placed` orders. A choice, like everything a forward reads, is held only
+(RoPE keys rotated back to position 0: `CacheRequest.memory_unrotate`), in blocks of b =
+`attention_memory_block_size`, each complete block with `representative_count(b)` representative keys (its keys of
+largest norm). Each layer scores the candidate blocks (`MemoryRead.candidates`) for the forward's choosing queries
+(`choosing_queries`), adds the score to the forward's `Evidence` (the layers below it, and what the last forward
+that chose found) and reads the blocks `choose_blocks` picks by it, in the slots `placed` orders. The forward's
+`MemoryStep` keeps the evidence and each layer's `Choice`; a choice, like everything a forward reads, is held only
 when the forward commits.
 
 The store grows with the document by its keys' and values' bytes (the model's dtype) plus the representatives (a
@@ -25,6 +26,7 @@ RAM); the representatives, which every choice reads whole, stay in RAM.
 import os
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -213,8 +215,34 @@ class Evidence:
         return (self.total - self.carried) / self.layers_scored if self.layers_scored else None
 
 
+@dataclass(frozen=True)
+class Choice:
+    """The blocks one layer's memory read at a choice, as it read them: the same until the next choice."""
+
+    blocks: torch.Tensor  # (B, k) block indices in the order the slots read them, -1 where a slot is empty
+    among: int  # complete blocks there were then
+    keys: torch.Tensor  # (B, H, k * b, d), in the memory's frame (RoPE) or raw
+    values: torch.Tensor
+
+    def map(self, function: Callable[[torch.Tensor], torch.Tensor]) -> "Choice":
+        """The same choice with `function` applied to each tensor, row by row (beams, batch selection)."""
+        return Choice(function(self.blocks), self.among, function(self.keys), function(self.values))
+
+
+@dataclass
+class MemoryStep:
+    """What one forward gathers from the block memory, kept by the cache for the length of the forward's step:
+    what it may read, the evidence its layers add to one after the other, and each layer's new choice, which the
+    layer's memory holds only when the step commits."""
+
+    read: MemoryRead
+    evidence: Evidence
+    choices: dict[int, Choice] = field(default_factory=dict)  # layer index -> the choice it made
+
+
 class BlockMemory:
-    """One layer's evicted keys and values (raw, stream order) and their blocks' representatives."""
+    """One layer's evicted keys and values (raw, stream order), their blocks' representatives and the last choice.
+    What it holds changes at `commit` only."""
 
     def __init__(self, block: int, slots: int, piece: int, scaling: float, directory: str | None = None) -> None:
         """Blocks of `block` tokens, `slots` of them read; forwards of at most `piece` tokens choose with every
@@ -223,11 +251,7 @@ class BlockMemory:
         self.keys = self.values = self.representatives = None
         self.length = 0  # tokens held (E)
         self.reserved = 0  # tokens the store makes room for at its next growth (`reserve`)
-        self.chosen: torch.Tensor | None = None  # (B, k): the blocks the last choosing forward read
-        self.chosen_among = 0  # complete blocks there were then
-        self.recalled: tuple[torch.Tensor, torch.Tensor] | None = None  # their keys and values, read then
-        self.pending: tuple[torch.Tensor, int, tuple[torch.Tensor, torch.Tensor]] | None = None  # this forward's
-        # choice, its count of blocks and their keys and values, held once it commits
+        self.chosen: Choice | None = None  # what the last forward that chose read
 
     @property
     def blocks(self) -> int:
@@ -274,39 +298,33 @@ class BlockMemory:
             self.representatives[:, :, :, complete : self.blocks] = block_representatives(span, self.block)
 
     def read(self, query: torch.Tensor, read: MemoryRead, evidence: Evidence,
-             frame: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             frame: torch.Tensor | None = None) -> Choice:
         """The k slots' keys and values (B, H, k*block, d) for a layer's queries (B, Hq, T, d) before positions: the
-        keys rotated by `frame` to their places in the memory's frame (RoPE, `CacheRequest.memory_frame`), else raw; the
-        empty slots (first) hold block 0, masked by the plan. Its `choosing_queries` score the blocks; this layer's
-        scores join the forward's `evidence`, which chooses. A forward of one token among the same complete blocks
-        as the last choice (a decoding step before the next block completes) reads the blocks chosen then, as they
-        were read then: gathered and rotated once per choice, so a decoding step neither gathers, rotates nor copies
-        them. A new choice is held from `commit` on; `discard` (a forward that raised) drops it. The tensors
-        returned are read, never written."""
+        keys rotated by `frame` to their places in the memory's frame (RoPE, `CacheRequest.memory_frame`), else
+        raw; the empty slots (first) hold block 0, masked by the plan. Its `choosing_queries` score the blocks; this
+        layer's scores join the forward's `evidence`, which chooses. A forward of one token among the same complete
+        blocks as the last choice (a decoding step before the next block completes) reads the blocks chosen then,
+        as they were read then (`chosen`): gathered and rotated once per choice, so a decoding step neither
+        gathers, rotates nor copies them. Returns the choice read; a new one is held from `commit` on. Nothing held
+        changes, and the tensors returned are read, never written."""
         blocks = read.candidates.shape[1]
-        if query.shape[2] > 1 or self.chosen is None or blocks != self.chosen_among:
+        chosen = self.chosen
+        if query.shape[2] > 1 or chosen is None or blocks != chosen.among:
             choosing = choosing_queries(query.detach(), self.piece, self.block) * self.scaling
             total = evidence.add(block_scores(choosing, self.representatives[:, :, :, :blocks], read.candidates))
-            chosen = choose_blocks(torch.where(read.candidates, total, -torch.inf), self.slots)
-            keys = self._blocks(self.keys, chosen)
-            if frame is not None:
-                keys = apply_rotary(keys, frame)
-            self.pending = chosen, blocks, (keys, self._blocks(self.values, chosen))
-            return self.pending[2]
-        self.pending = None
-        return self.recalled
+            picked = choose_blocks(torch.where(read.candidates, total, -torch.inf), self.slots)
+            keys = self._blocks(self.keys, picked)
+            chosen = Choice(picked, blocks, keys if frame is None else apply_rotary(keys, frame),
+                            self._blocks(self.values, picked))
+        return chosen
 
-    def commit(self, evicted: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """The forward completed: its choice, if it made one, is the one later steps read, and the keys and values
-        it `evicted` from the window part (B, H, n, d), if any, are held."""
-        if self.pending is not None:
-            (self.chosen, self.chosen_among, self.recalled), self.pending = self.pending, None
+    def commit(self, choice: Choice | None, evicted: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """The forward completed: the `choice` it read, if any, is the one later steps read, and the keys and
+        values it `evicted` from the window part (B, H, n, d), if any, are held."""
+        if choice is not None:
+            self.chosen = choice
         if evicted is not None:
             self.append(*evicted)
-
-    def discard(self) -> None:
-        """The forward raised: its choice, if it made one, is dropped."""
-        self.pending = None
 
     def _blocks(self, held: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """held (B, H, capacity, d) at blocks chosen (B, k), -1 read as block 0 -> (B, H, k*block, d): whole blocks
@@ -325,10 +343,10 @@ class BlockMemory:
         self.keys, self.values = function(self.keys), function(self.values)  # (capacity kept: see _blocks)
         self.representatives = function(self.representatives[:, :, :, : self.blocks])
         if self.chosen is not None:
-            self.chosen, self.recalled = function(self.chosen), tuple(map(function, self.recalled))
+            self.chosen = self.chosen.map(function)
 
 
 __all__ = [
-    "BlockMemory", "Evidence", "block_representatives", "block_scores", "choose_blocks", "choosing_queries", "placed",
-    "readable_blocks", "representative_count",
+    "BlockMemory", "Choice", "Evidence", "MemoryStep", "block_representatives", "block_scores", "choose_blocks",
+    "choosing_queries", "placed", "readable_blocks", "representative_count",
 ]

@@ -134,6 +134,7 @@ def chunk_map(total: int, n_keys: int, block: int, left: int, device: torch.devi
 
 
 __all__ = [
-    "chunk_map", "locate_in_window", "memory_frame", "memory_places", "memory_tokens", "seen_as_sink", "sink_count", "sink_frame",
+    "chunk_map", "locate_in_window", "memory_frame", "memory_places", "memory_tokens", "seen_as_sink", "sink_count",
+    "sink_frame",
     "sink_indices", "window_first", "window_visible",
 ]

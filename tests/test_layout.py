@@ -117,7 +117,7 @@ def test_no_import_cycle():
     assert cycles == []
 
 
-MEMORY_TYPES = {"BlockMemory", "Evidence", "MemoryRead"}
+MEMORY_TYPES = {"BlockMemory", "Choice", "Evidence", "MemoryRead", "MemoryStep"}
 
 
 def test_the_memory_types_are_named_in_three_rooms():

@@ -359,7 +359,7 @@ def test_reordered_rows_keep_their_chosen_blocks(monkeypatch):
     cache = LexCache(config)
     with torch.no_grad():
         model(ids, cache=cache)  # (the prompt's last token, read alone, chooses)
-        chosen = [layer.memory.chosen for layer in cache.layers]
+        chosen = [layer.memory.chosen.blocks for layer in cache.layers]
         assert any(not torch.equal(rows[0], rows[1]) for rows in chosen)  # the rows chose differently
         swapped = copy.deepcopy(cache)
         swapped.reorder_cache(torch.tensor([1, 0]))
@@ -373,11 +373,11 @@ def test_reordered_rows_keep_their_chosen_blocks(monkeypatch):
         carried = cache.memory_evidence
         assert not torch.equal(*carried)  # the rows carry different evidence, and each its own after the reorder
         assert torch.equal(swapped.memory_evidence, carried[[1, 0]])
-        among = cache.layers[0].memory.chosen_among
+        among = cache.layers[0].memory.chosen.among
         for _ in range(BLOCK):  # sliding: a block completes within b steps, and that step chooses
             expected = model(step, cache=cache).logits[[1, 0]]
             torch.testing.assert_close(model(step[[1, 0]], cache=swapped).logits, expected, atol=1e-6, rtol=0)
-        assert cache.layers[0].memory.chosen_among > among  # a step chose
+        assert cache.layers[0].memory.chosen.among > among  # a step chose
 
 
 def test_a_forward_that_raises_leaves_the_choice_as_it_was():
