@@ -1,13 +1,21 @@
 """The attention kernels: each layer's q, k, v run through the forward's plan (masking.py), tile by tile, on the
 attention backend transformers selects (eager, sdpa, ...), with the reference eager computation beside them. A
 decoding step with the block memory meets the memory's keys with a second encoding of its query, which no backend
-takes: it is the one eager computation of its own here (`_one_query_and_the_memory`)."""
+takes: it is the one eager computation of its own here (`_one_query_and_the_memory`).
+
+This module owns the coupling with transformers' attention functions (transformers 5.23-5.24): it takes the backend
+from `ALL_ATTENTION_FUNCTIONS` by the config's `_attn_implementation` (`attention_interface`), and there is one
+exception. transformers' `sdpa_attention_forward` repeats grouped key/value heads (`repeat_kv`: a copy of every key
+and value per layer) whenever a mask is given, because CUDA's fused kernels take no mask with grouped heads; torch's
+CPU kernel does (`enable_gqa`), and LEX's tiles always carry a mask. So on CPU, a masked SDPA call with grouped heads
+is made here (`_grouped_sdpa_forward`), with the same numbers."""
 
 from collections.abc import Callable
 
 import torch
 from torch import nn
-from transformers.integrations.sdpa_attention import repeat_kv
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .masking import AttentionPlan, Tile
 from .xpos import apply_rotary, inverse_rotation
@@ -44,6 +52,38 @@ def eager_attention_forward(
     weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     weights = nn.functional.dropout(weights, p=dropout, training=module.training)
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+def _grouped_sdpa_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    position_bias: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA backend, but a masked call of several queries on CPU with grouped key/value heads reads
+    the heads as they are (`enable_gqa`) instead of repeating them: the same result (the kernel serves query head h
+    from key/value head h // groups, as `repeat_kv` lays them out), without copying every key and value per layer
+    (at 64 queries against 2,115 keys, the copy took twice the attention's time)."""
+    grouped = key.shape[1] != query.shape[1]
+    if (attention_mask is None or position_bias is not None or not grouped or query.shape[2] == 1
+            or query.device.type != "cpu" or kwargs.get("softcap") is not None):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      position_bias=position_bias, **kwargs)
+    output = nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                        dropout_p=dropout, scale=scaling, enable_gqa=True)
+    return output.transpose(1, 2).contiguous(), None
+
+
+def attention_interface(implementation: str | None) -> Callable:
+    """The attention backend the config names (transformers' `ALL_ATTENTION_FUNCTIONS`; eager if none), SDPA
+    through `_grouped_sdpa_forward`."""
+    interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+    return _grouped_sdpa_forward if interface is sdpa_attention_forward else interface
 
 
 def _chunks(x: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
@@ -228,4 +268,4 @@ def _output_of_map(attention_map: torch.Tensor, weights: torch.Tensor, value: to
     return output.transpose(1, 2).contiguous()
 
 
-__all__ = ["eager_attention_forward", "run_attention"]
+__all__ = ["attention_interface", "eager_attention_forward", "run_attention"]

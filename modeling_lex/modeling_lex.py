@@ -21,7 +21,7 @@ from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, logging
 from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
@@ -32,7 +32,7 @@ from configuration_lex.configuration_lex import LexConfig
 from .cache import LEX_CACHES, LexCache, LexCacheSteps, LexStaticCache, forward_step
 from .generation import CACHE_NAME, LexGenerationMixin, accepts_both_cache_names, cache_field
 from .inputs import begin_forward
-from .kernels import eager_attention_forward, run_attention
+from .kernels import attention_interface, eager_attention_forward, run_attention
 from .masking import AttentionPlan, build_plan
 from .positions import position_method
 from .visibility import memory_piece, memory_tokens
@@ -129,7 +129,7 @@ class LexMLP(nn.Module):
 class LexAttention(nn.Module):
     """Multi-head self-attention with grouped key/value heads; positions and the window come from the forward's
     `AttentionPlan`. Keys and values keep their `num_key_value_heads` heads (in the cache too); backends serve
-    each group of query heads from them (SDPA's `enable_gqa` where it can, `repeat_kv` otherwise)."""
+    each group of query heads from them (SDPA's `enable_gqa` where it can, `repeat_kv` otherwise: kernels.py)."""
 
     def __init__(self, config: LexConfig, layer_idx: int):
         super().__init__()
@@ -183,7 +183,7 @@ class LexAttention(nn.Module):
         interface = eager_attention_forward
         # Maps come from the eager computation, whatever the backend; so do capped scores (SDPA cannot cap them).
         if not plan.attention_maps and self.softcap is None:
-            interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, interface)
+            interface = attention_interface(self.config._attn_implementation)
         output, weights = run_attention(self, interface, query, key, value, plan, dropout, recalled, frame_query,
                                         **kwargs)
         output = output.reshape(batch, length, -1)

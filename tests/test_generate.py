@@ -413,8 +413,10 @@ def test_caches_hold_key_value_heads(mode):
 
 
 def test_sdpa_serves_query_groups_without_copying_keys(monkeypatch):
-    """transformers' SDPA backend repeats K/V per query head only where it must: a plain causal forward passes
-    enable_gqa and a decoding step packs the query groups; neither calls repeat_kv."""
+    """The SDPA backend repeats K/V per query head nowhere on CPU: a plain causal forward passes enable_gqa, a
+    decoding step packs the query groups (transformers' SDPA function), and a masked forward (a long input's
+    chunks with sinks, a padded batch) passes enable_gqa with its mask (kernels.py); none calls repeat_kv, and the
+    masked forwards give the eager computation's logits."""
     from transformers.integrations import sdpa_attention
 
     calls = []
@@ -428,6 +430,19 @@ def test_sdpa_serves_query_groups_without_copying_keys(monkeypatch):
         out = model(ids, use_cache=True)
         model(prompt(1, 1, seed=4), past_key_values=out.past_key_values)
     assert calls == []
+
+    model = perturbed_model(tiny_config(attention_mode="sliding", attention_sinks=2, num_attention_heads=4,
+                                        num_key_value_heads=2))
+    _, padded, mask = left_padded([3 * W, 3 * W - 5])
+    logits = {}
+    for implementation in ("eager", "sdpa"):
+        model.set_attn_implementation(implementation)
+        with torch.no_grad():
+            logits[implementation] = (model(padded, attention_mask=mask).logits,
+                                      model(padded[:1, : 3 * W]).logits)
+    assert calls == []
+    for eager, sdpa in zip(logits["eager"], logits["sdpa"]):
+        torch.testing.assert_close(sdpa, eager, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["full", "sliding", "blockwise"])
