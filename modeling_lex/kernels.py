@@ -191,7 +191,6 @@ def _meet_sinks_in_their_frame(q: torch.Tensor, q_sink: torch.Tensor, k: torch.T
 
 def run_attention(
     module: nn.Module,
-    interface: Callable,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -205,13 +204,18 @@ def run_attention(
     the block memory's blocks it `recalled` (B,Hkv,k*b,d, keys in the memory's frame), by the plan's tiles;
     `frame_query`: a decoding step's query turned into the memory's frame (`AttentionPlan.query_turn`), if any.
 
-    `interface` is the attention backend (eager, sdpa, ...) with transformers' attention-interface signature; the
-    caller's `kwargs` pass through to it, as in modeling_llama. A decoding step with the block memory meets it
+    The attention backend is the one `module.config._attn_implementation` names (`attention_interface`), with
+    transformers' attention-interface signature; the caller's `kwargs` pass through to it, as in modeling_llama.
+    Attention maps come from the eager computation, whatever the backend; so do capped scores (SDPA cannot cap
+    them). A decoding step with the block memory meets it
     apart (`_one_query_and_the_memory`). Returns the output (B, T, H, d) and, when the plan keeps them, the
     attention weights as a map over the keys. The keys and values are read, never written: they may be views of
     the cache's buffers.
     """
     batch, _, total, _ = query.shape
+    interface = eager_attention_forward
+    if not plan.attention_maps and module.softcap is None:
+        interface = attention_interface(module.config._attn_implementation)
     outputs, weights = [], None
     for tile in plan.tiles:
         apart = recalled is not None and _meets_the_memory_apart(tile, plan)
@@ -268,4 +272,4 @@ def _output_of_map(attention_map: torch.Tensor, weights: torch.Tensor, value: to
     return output.transpose(1, 2).contiguous()
 
 
-__all__ = ["attention_interface", "eager_attention_forward", "run_attention"]
+__all__ = ["eager_attention_forward", "run_attention"]
