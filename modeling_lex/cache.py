@@ -74,8 +74,9 @@ class LexCacheLayer(DynamicLayer):
     span for attention to read. That changes nothing held: `commit` does, with the record's sink slots and last
     `keep` window keys. A decoding step that sees its sinks in the cache's frame (RoPE) reads them rotated by the
     request's `sink_rotation`, which `update` writes over the buffer's copy of the sink slots (kernels.py never
-    writes a tensor the cache returned); the slots' raw contents are kept apart (`_sinks`) and written back at
-    `commit`, and until then `keys` reads them from there. Under autograd the buffers are never written in place.
+    writes a tensor the cache returned); the slots' raw contents are kept apart (`_sinks`) and written back when
+    the forward's step ends (commit or discard), and until then `keys` reads them from there. Under autograd the
+    buffers are never written in place.
 
     With a block memory (memory.py), the keys and values `commit` drops go there, with the choice the layer read
     in the forward (`LexCache.read` returns its blocks apart from the span, held in the memory's frame, so that a
@@ -84,7 +85,6 @@ class LexCacheLayer(DynamicLayer):
     def __init__(self, memory: BlockMemory | None = None) -> None:
         self._window: list[tuple[torch.Tensor, int, int] | None] = [None, None]  # keys, values: (buffer, begin, end)
         self._sinks: list[torch.Tensor | None] = [None, None]  # raw keys, values of the sink slots (B, H, S, d)
-        self._rotated = False  # the buffer's copy of the sink keys is rotated (between update and commit)
         self._joined: list[torch.Tensor | None] = [None, None]  # under autograd: the window part and the new keys
         self.memory = memory
         self._request: CacheRequest | None = None  # the forward's, between update and commit
@@ -110,13 +110,18 @@ class LexCacheLayer(DynamicLayer):
         sinks = self._sinks[which]
         return 0 if sinks is None else sinks.shape[2]
 
+    def _front_rotated(self, which: int) -> bool:
+        """Whether the buffer's copy of the sink slots is rotated: the sink keys, in a forward that reads them in the
+        cache's frame (between `update` and the step's end)."""
+        return which == 0 and self._request is not None and self._request.sink_rotation is not None
+
     def _held(self, which: int) -> torch.Tensor | None:
         """The sink slots followed by the window part, raw (a view of the buffer, a new tensor while rotated)."""
         span = self._window[which]
         if span is None:
             return None
         buffer, begin, end = span
-        if which == 0 and self._rotated:
+        if self._front_rotated(which):
             return torch.cat([self._sinks[0], buffer[:, :, begin:end]], dim=2)
         return buffer[:, :, begin - self._slots(which) : end]
 
@@ -126,8 +131,6 @@ class LexCacheLayer(DynamicLayer):
         count = 0 if tensor is None else self._slots(which)
         self._sinks[which] = tensor[:, :, :count].clone() if count else None
         self._window[which] = None if tensor is None else (tensor, count, tensor.shape[2])
-        if which == 0:
-            self._rotated = False
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -158,7 +161,7 @@ class LexCacheLayer(DynamicLayer):
             return self._joined[which] if sinks is None else torch.cat([front, self._joined[which]], dim=2)
         self._joined[which] = None
         stop = end + new.shape[2]
-        rewrite = rotation is not None or (which == 0 and self._rotated)
+        rewrite = rotation is not None
         if stop > buffer.shape[2]:  # no room after the window part
             length = count + stop - begin
             room = buffer if length <= buffer.shape[2] else _with_room(new, length)
@@ -168,8 +171,6 @@ class LexCacheLayer(DynamicLayer):
         buffer[:, :, end:stop] = new
         if count and rewrite:
             buffer[:, :, begin - count : begin] = front
-        if which == 0:
-            self._rotated = rotation is not None
         return buffer[:, :, begin - count : stop]
 
     def commit(self, record: ForwardRecord, choice: Choice | None = None) -> None:
@@ -178,7 +179,7 @@ class LexCacheLayer(DynamicLayer):
         memory, the keys the window part drops and the `choice` the layer read."""
         if not self.is_initialized:
             return
-        request, self._request = self._request, None
+        request = self._request
         evicted = []
         for which in (0, 1):
             joined, self._joined[which] = self._joined[which], None
@@ -196,8 +197,9 @@ class LexCacheLayer(DynamicLayer):
                 read = buffer[:, :, begin:end] if sinks is None else torch.cat([sinks, buffer[:, :, begin:end]], dim=2)
                 sinks = _gather_columns(read, record.sink_source)
             first = begin if record.keep is None else end - record.keep
-            self._hold(which, buffer, first, end, sinks, rewrite=record.sink_source is not None or first != begin)
-        self._rotated = False
+            rewrite = record.sink_source is not None or first != begin or self._front_rotated(which)
+            self._hold(which, buffer, first, end, sinks, rewrite)
+        self._request = None
         if self.memory is not None:
             self.memory.commit(choice, tuple(evicted))
 
@@ -216,14 +218,17 @@ class LexCacheLayer(DynamicLayer):
             room = buffer if length <= buffer.shape[2] else _with_room(buffer, length)
             _move(buffer, first, end, room, count)
             buffer, first, end, rewrite = room, count, length, True
-        if count and (rewrite or (which == 0 and self._rotated)):
+        if count and rewrite:
             buffer[:, :, first - count : first] = sinks
         self._sinks[which] = sinks
         self._window[which] = (buffer, first, end)
 
     def discard(self) -> None:
-        """The forward raised: drop what it read (the buffer's copy of the sink keys may stay rotated: `keys` reads
-        the raw ones, and the next `update` writes over it)."""
+        """The forward raised: drop what it read, and write the raw sink keys back over the buffer's copy where the
+        forward rotated it."""
+        if self._front_rotated(0) and self._joined[0] is None:
+            buffer, begin, _ = self._window[0]
+            buffer[:, :, begin - self._slots(0) : begin] = self._sinks[0]
         self._joined, self._request = [None, None], None
 
     def keep_window(self, keep: int) -> None:
