@@ -3,19 +3,18 @@ attention backend transformers selects (eager, sdpa, ...), with the reference ea
 decoding step with the block memory meets the memory's keys with a second encoding of its query, which no backend
 takes: it is the one eager computation of its own here (`_one_query_and_the_memory`).
 
-This module owns the coupling with transformers' attention functions (transformers 5.23-5.24): it takes the backend
-from `ALL_ATTENTION_FUNCTIONS` by the config's `_attn_implementation` (`attention_interface`), and there is one
-exception. transformers' `sdpa_attention_forward` repeats grouped key/value heads (`repeat_kv`: a copy of every key
-and value per layer) whenever a mask is given, because CUDA's fused kernels take no mask with grouped heads; torch's
-CPU kernel does (`enable_gqa`), and LEX's tiles always carry a mask. So on CPU, a masked SDPA call with grouped heads
-is made here (`_grouped_sdpa_forward`), with the same numbers."""
+The backend is the one LexAttention takes from transformers' `ALL_ATTENTION_FUNCTIONS`, as Llama's attention does,
+with one exception, which this module owns (transformers 5.23-5.24): `sdpa_attention_forward` repeats grouped
+key/value heads (`repeat_kv`: a copy of every key and value per layer) whenever a mask is given, because CUDA's fused
+kernels take no mask with grouped heads; torch's CPU kernel does (`enable_gqa`), and LEX's tiles always carry a mask.
+So in its place, a masked SDPA call of several queries with grouped heads on CPU is made here
+(`_grouped_sdpa_forward`), with the same numbers."""
 
 from collections.abc import Callable
 
 import torch
 from torch import nn
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .masking import AttentionPlan, Tile
 from .xpos import apply_rotary, inverse_rotation
@@ -77,13 +76,6 @@ def _grouped_sdpa_forward(
     output = nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
                                                         dropout_p=dropout, scale=scaling, enable_gqa=True)
     return output.transpose(1, 2).contiguous(), None
-
-
-def attention_interface(implementation: str | None) -> Callable:
-    """The attention backend the config names (transformers' `ALL_ATTENTION_FUNCTIONS`; eager if none), SDPA
-    through `_grouped_sdpa_forward`."""
-    interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-    return _grouped_sdpa_forward if interface is sdpa_attention_forward else interface
 
 
 def _chunks(x: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
@@ -191,6 +183,7 @@ def _meet_sinks_in_their_frame(q: torch.Tensor, q_sink: torch.Tensor, k: torch.T
 
 def run_attention(
     module: nn.Module,
+    interface: Callable,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -204,18 +197,16 @@ def run_attention(
     the block memory's blocks it `recalled` (B,Hkv,k*b,d, keys in the memory's frame), by the plan's tiles;
     `frame_query`: a decoding step's query turned into the memory's frame (`AttentionPlan.query_turn`), if any.
 
-    The attention backend is the one `module.config._attn_implementation` names (`attention_interface`), with
-    transformers' attention-interface signature; the caller's `kwargs` pass through to it, as in modeling_llama.
-    Attention maps come from the eager computation, whatever the backend; so do capped scores (SDPA cannot cap
-    them). A decoding step with the block memory meets it
+    `interface` is the attention backend (eager, sdpa, ...) with transformers' attention-interface signature
+    (transformers' SDPA function runs as `_grouped_sdpa_forward`); the caller's `kwargs` pass through to it, as in
+    modeling_llama. A decoding step with the block memory meets it
     apart (`_one_query_and_the_memory`). Returns the output (B, T, H, d) and, when the plan keeps them, the
     attention weights as a map over the keys. The keys and values are read, never written: they may be views of
     the cache's buffers.
     """
     batch, _, total, _ = query.shape
-    interface = eager_attention_forward
-    if not plan.attention_maps and module.softcap is None:
-        interface = attention_interface(module.config._attn_implementation)
+    if interface is sdpa_attention_forward:
+        interface = _grouped_sdpa_forward
     outputs, weights = [], None
     for tile in plan.tiles:
         apart = recalled is not None and _meets_the_memory_apart(tile, plan)

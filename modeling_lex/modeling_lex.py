@@ -21,7 +21,7 @@ from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, logging
 from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
@@ -32,7 +32,7 @@ from configuration_lex.configuration_lex import LexConfig
 from .cache import LEX_CACHES, LexCache, LexCacheSteps, LexStaticCache, forward_step
 from .generation import CACHE_NAME, LexGenerationMixin, accepts_both_cache_names, cache_field
 from .inputs import begin_forward
-from .kernels import run_attention
+from .kernels import eager_attention_forward, run_attention
 from .masking import AttentionPlan, build_plan
 from .positions import position_method
 from .visibility import memory_piece, memory_tokens
@@ -180,7 +180,12 @@ class LexAttention(nn.Module):
         elif cache is not None:  # a transformers cache: every key of the stream
             key, value = cache.update(key, value, self.layer_idx)
         dropout = self.config.attention_dropout if self.training else 0.0
-        output, weights = run_attention(self, query, key, value, plan, dropout, recalled, frame_query, **kwargs)
+        interface = eager_attention_forward
+        # Maps come from the eager computation, whatever the backend; so do capped scores (SDPA cannot cap them).
+        if not plan.attention_maps and self.softcap is None:
+            interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, interface)
+        output, weights = run_attention(self, interface, query, key, value, plan, dropout, recalled, frame_query,
+                                        **kwargs)
         output = output.reshape(batch, length, -1)
         if self.inner_attn_ln is not None:
             output = self.inner_attn_ln(output)

@@ -129,9 +129,9 @@ def test_attention_never_writes_what_the_cache_returned(mode, sinks, rule, kind,
     calls, written = [], []
     original = modeling.run_attention
 
-    def watched(module, query, key, value, plan, *args, **kwargs):
+    def watched(module, interface, query, key, value, plan, *args, **kwargs):
         versions = key._version, value._version
-        out = original(module, query, key, value, plan, *args, **kwargs)
+        out = original(module, interface, query, key, value, plan, *args, **kwargs)
         calls.append(plan.cache_request.sink_rotation is not None)
         if (key._version, value._version) != versions:
             written.append(module.layer_idx)

@@ -274,6 +274,7 @@ def test_eager_equals_sdpa(n):
     outputs = {}
     for implementation in ("eager", "sdpa"):
         model.set_attn_implementation(implementation)
+        assert model.config._attn_implementation == implementation  # (transformers takes it: the interface is used)
         with torch.no_grad():
             outputs[implementation] = model(ids, attention_mask=mask).logits
     torch.testing.assert_close(outputs["eager"], outputs["sdpa"], atol=1e-5, rtol=1e-5)
