@@ -1,7 +1,7 @@
 """LexConfig, registered with AutoConfig under model_type "lex", and the allowed values of its choice fields.
 
 Importing it (and so modeling_lex) with a torch below OLDEST_TORCH fails at once with one line naming the range:
-transformers 5.23-5.24 turn PyTorch off below 2.6 (`utils/import_utils.py`), and the model classes would then fail
+transformers 5.23-5.25 turn PyTorch off below 2.6 (`utils/import_utils.py`), and the model classes would then fail
 deep inside transformers instead.
 """
 
@@ -10,7 +10,7 @@ from packaging.version import Version
 
 OLDEST_TORCH = "2.6"  # setup.cfg's floor (tests/test_transformers_range.py keeps the two equal)
 if Version(torch.__version__).release < Version(OLDEST_TORCH).release:
-    raise ImportError(f"lex-transformer needs torch>={OLDEST_TORCH} (transformers 5.23-5.24 turn PyTorch off below "
+    raise ImportError(f"lex-transformer needs torch>={OLDEST_TORCH} (transformers 5.23-5.25 turn PyTorch off below "
                       f"it); torch {torch.__version__} is installed: pip install 'torch>={OLDEST_TORCH}'")
 
 from transformers import AutoConfig  # after the check: transformers would turn an older torch off silently

@@ -28,7 +28,7 @@ COMMANDS = {
     "convert-to-hf": ("lex.commands.convert_hf", "main_convert_to_hf", "LEX folder (rope) -> its HF family"),
     "export": ("lex.commands.export", "main", "a Hub-ready folder loadable with trust_remote_code"),
 }
-# torchao 0.18 (the cpu-quant extra), which transformers 5.23-5.24 import whenever it is installed, logs as it is
+# torchao 0.18 (the cpu-quant extra), which transformers 5.23-5.25 import whenever it is installed, logs as it is
 # imported that its CUDA kernels do not load on a CPU build of torch and, under torch 2.13, that its enums need no
 # pytree registration: noise on stderr, where a command prints one line per error. Their errors still show.
 QUIET_AT_IMPORT = ("torchao", "torch.utils._pytree")

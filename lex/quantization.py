@@ -24,7 +24,7 @@ logits. A folder is written through transformers' documented path (`TorchAoConfi
 (int8 weights), and names in `QUANTIZATION_FILE` the layout it is read in.
 
 This module owns the coupling with torchao; it targets torchao 0.18 (the `cpu-quant` extra) with transformers
-5.23-5.24.
+5.23-5.25.
 """
 
 import json

@@ -231,12 +231,18 @@ class LexCacheLayer(DynamicLayer):
             buffer[:, :, begin - self._slots(0) : begin] = self._sinks[0]
         self._joined, self._request = [None, None], None
 
-    def keep_window(self, keep: int) -> None:
-        """Hold only the last `keep` keys of the window part (a crop)."""
+    def keep_window(self, keep: int, sink_source: torch.Tensor | None = None) -> None:
+        """Hold only the last `keep` keys of the window part (a crop), the sink slots taken from `sink_source`
+        (columns among the sink slots and the window part; None: as they are)."""
         for which, span in enumerate(self._window):
             if span is not None:
                 buffer, begin, end = span
-                self._hold(which, buffer, end - keep, end, self._sinks[which], rewrite=end - keep != begin)
+                sinks = self._sinks[which]
+                if sink_source is not None:
+                    read = buffer[:, :, begin:end] if sinks is None else torch.cat([sinks, buffer[:, :, begin:end]], 2)
+                    sinks = _gather_columns(read, sink_source)
+                self._hold(which, buffer, end - keep, end, sinks,
+                           rewrite=end - keep != begin or sink_source is not None)
 
     def drop_latest(self, count: int) -> None:
         if count and self.is_initialized:
@@ -336,6 +342,7 @@ class LexCache(LexCacheSteps, DynamicCache):
         # (B, blocks then): what the last forward that chose blocks found, one layer's worth; None before one
         self.memory_evidence: torch.Tensor | None = None
         self._step: MemoryStep | None = None  # what the forward open now gathers from the block memory
+        self.drafted_tokens = 0  # activate_past_recording's recurrent_states_to_keep
 
     def _memory(self) -> BlockMemory | None:
         """A layer's block memory, or None without one."""
@@ -424,11 +431,30 @@ class LexCache(LexCacheSteps, DynamicCache):
         """Whether any rollback generate() may ask for leaves no trace: in full mode, or while recording."""
         return self.config.attention_mode == "full" or self.stream.record_past
 
-    def activate_past_recording(self) -> None:
-        """Hold what later forwards read until `crop` (generate() calls this for assisted decoding)."""
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None) -> None:
+        """Hold what later forwards read until `crop` (generate() calls this for assisted decoding and prompt lookup).
+
+        `recurrent_states_to_keep` (passed by transformers >= 5.25) is the number of drafted tokens a later crop may
+        remove, for which a recurrent layer records one state each. A LexCache has no recurrent state: while
+        recording it holds the keys of every token read since the last crop, which is every token a crop can
+        remove, however many tokens are drafted (transformers' heuristic schedule drafts more as it goes). So the
+        count bounds nothing here; it is held so that `get_recurrent_states_to_keep` answers with it, and a later
+        `activate_past_recording(recurrent_states_to_keep=max(1, cache.get_recurrent_states_to_keep()))` (generate()'s
+        own call) keeps the larger count."""
+        if recurrent_states_to_keep is not None and (
+            not isinstance(recurrent_states_to_keep, int) or recurrent_states_to_keep < 0
+        ):
+            raise ValueError(
+                f"recurrent_states_to_keep={recurrent_states_to_keep!r}: allowed values are None or an int >= 0"
+            )
         self._refuse_with_memory("activate_past_recording")
         self.stream.record_past = True
         self.stream.floor = self.stream.seen
+        self.drafted_tokens = recurrent_states_to_keep or 0
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        """The count the last `activate_past_recording` was given while the past is recorded, else 0 (see there)."""
+        return self.drafted_tokens if self.stream.record_past else 0
 
     def mark_removable(self, first: int) -> None:
         """See `Stream.mark_removable`: tokens before stream index `first` will never be rolled back."""
@@ -452,10 +478,10 @@ class LexCache(LexCacheSteps, DynamicCache):
             for layer in self.layers:
                 layer.drop_latest(remove)
         self.stream.floor, self.stream.removable_from = self.stream.seen, None
-        keep = self.stream.shrink()
+        keep, sink_source = self.stream.shrink()
         for layer in self.layers:
             if layer.is_initialized:
-                layer.keep_window(keep)
+                layer.keep_window(keep, sink_source)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)

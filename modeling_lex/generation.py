@@ -1,6 +1,6 @@
 """Where LEX meets transformers' generation loop: every coupling to a transformers internal, in one module.
 
-Written against transformers 5.23 and 5.24, the range setup.cfg declares (`TESTED_TRANSFORMERS`; CI runs the
+Written against transformers 5.23 to 5.25, the range setup.cfg declares (`TESTED_TRANSFORMERS`; CI runs the
 suite at both ends). Importing this module warns once when the installed transformers lies outside that range:
 these couplings are exactly what a new minor version may move.
 
@@ -9,6 +9,10 @@ What changed inside the range, and how this module absorbs it:
   `GenerationMixin` accept the old name through `deprecate_kwarg`). `CACHE_NAME` is the installed version's
   name, read off its output classes; `accepts_both_cache_names` lets a forward take either name, as
   transformers' own Llama does; `cache_field` names the cache of an output the way the installed version reads it.
+- 5.25's generate() passes `recurrent_states_to_keep` (the drafted tokens per step) to
+  `Cache.activate_past_recording` and reads it back with `get_recurrent_states_to_keep`: LexCache takes both
+  (cache.py says what the count means for a bounded cache). 5.25 also kernelizes every model `from_pretrained`
+  loads (`use_kernels`): LEX's layers register no hub kernel, so nothing of LEX is swapped, on any device.
 
 What LEX still overrides in `GenerationMixin`, each because transformers' own behaviour does not serve LEX
 (`LexGenerationMixin`; modeling_llama overrides none of them):
@@ -36,7 +40,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils.deprecation import deprecate_kwarg
 
 # The transformers versions this module was written against and CI tests: [oldest, first untested minor).
-TESTED_TRANSFORMERS = ("5.23.0", "5.25.0")
+TESTED_TRANSFORMERS = ("5.23.0", "5.26.0")
 
 
 def warn_if_untested(version: str) -> bool:
@@ -118,7 +122,7 @@ class LexGenerationMixin:
                 "positions inside each window; allowed: None, 'dynamic' (LexCache), 'static' (LexStaticCache)"
             )
         if generation_config.is_assistant:
-            cache.activate_past_recording()
+            cache.activate_past_recording(recurrent_states_to_keep=generation_config.num_assistant_tokens)
         model_kwargs[CACHE_NAME] = cache
 
     def create_masks_for_generate(self, attention_mask=None, inputs_embeds=None, **kwargs):

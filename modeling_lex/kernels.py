@@ -4,7 +4,7 @@ decoding step with the block memory meets the memory's keys with a second encodi
 takes: it is the one eager computation of its own here (`_one_query_and_the_memory`).
 
 The backend is the one LexAttention takes from transformers' `ALL_ATTENTION_FUNCTIONS`, as Llama's attention does,
-with one exception, which this module owns (transformers 5.23-5.24): `sdpa_attention_forward` repeats grouped
+with one exception, which this module owns (transformers 5.23-5.25): `sdpa_attention_forward` repeats grouped
 key/value heads (`repeat_kv`: a copy of every key and value per layer) whenever a mask is given, because CUDA's fused
 kernels take no mask with grouped heads; torch's CPU kernel does (`enable_gqa`), and LEX's tiles always carry a mask.
 So in its place, a masked SDPA call of several queries with grouped heads on CPU is made here

@@ -255,18 +255,28 @@ class Stream:
             first_needed = min(first_needed, first_seen - (self.config.local_attention_window - 1))
         return max(0, min(available, seen - first_needed)), floor
 
-    def shrink(self) -> int:
-        """After a crop: drop the metadata no query from now on can see; returns how many window keys to keep."""
+    def shrink(self) -> tuple[int, torch.Tensor | None]:
+        """After a crop: drop the metadata no query from now on can see; returns how many window keys to keep, and
+        where each sink slot's content comes from (as `ForwardRecord.sink_source`: a column among the sink slots and
+        the window part; None: every slot keeps what it holds), since the keys dropped here may hold the sinks."""
         if self.index is None:
-            return 0
+            return 0, None
         first = self.index[0] if self.held else torch.tensor(self.seen)
         keep, self.floor = self._keep(self.held, first, self.after, self.base, self.seen)
         drop = self.held - keep
+        held = AttentionContext(
+            query_positions=None, key_positions=self.positions, key_valid=self.valid, query_index=None,
+            key_index=self.index, document_start=None, sink_index=self.sink_index[:, : self.sink_slots],
+            sink_positions=None, sink_valid=None,
+        )
+        sink_source, sinks_after = self._refill_sink_slots(held, self.state, self.seen, dropping=drop > 0)
+        self.sink_index, self.sink_positions = sinks_after["sink_index"], sinks_after["sink_positions"]
+        self.sink_valid, self.sink_slots = sinks_after["sink_valid"], sinks_after["sink_slots"]
         if drop > 0:
             self.base = self.after.at(drop - 1)
             self.positions, self.valid, self.index = self.positions[:, drop:], self.valid[:, drop:], self.index[drop:]
             self.after = self.after.span(drop)
-        return keep
+        return keep, sink_source
 
     # ------------------------------------------------------------------------------------------------ rollback
 

@@ -102,6 +102,58 @@ def test_assisted_decoding_equals_greedy(weights, rolled_back, mode, window, pro
     assert sum(rolled_back) > 0 and max(rolled_back) >= 2  # candidates were rejected, several at a time
 
 
+@pytest.mark.parametrize("mode", ["blockwise", "sliding"])
+def test_a_growing_draft_rolls_back_past_its_first_count(weights, rolled_back, mode):
+    """transformers' heuristic schedule drafts 2 more tokens after each fully accepted round, past the count
+    generate() passed to `activate_past_recording(recurrent_states_to_keep=...)` (2 here): the caches still roll
+    back whatever a round rejects (they hold every token read since the last crop), so the tokens are greedy's."""
+    model = build(weights["main"], attention_mode=mode, attention_window=16)
+    assistant = build(weights["main"], strict=False, attention_mode=mode, attention_window=16, num_hidden_layers=1)
+    assistant.generation_config.num_assistant_tokens = 2
+    assistant.generation_config.num_assistant_tokens_schedule = "heuristic"
+    assistant.generation_config.assistant_confidence_threshold = 0.0
+    same_as_greedy(model, markov_batch(1, 40, seed=11), 40, assistant_model=assistant)
+    assert max(rolled_back) > 2
+
+
+@pytest.mark.parametrize("sinks", [0, *SINK_POSITIONS])
+@pytest.mark.parametrize("count", [None, 2])
+def test_crop_returns_to_the_shorter_stream_whatever_the_recording_count(count, sinks):
+    """A recording cache (told that `count` tokens are drafted, or nothing) removes 1 to 5 tokens read since the
+    last crop, with the stream around the window's end, and reads on exactly as a cache that never had them: the
+    count bounds nothing, and the sinks of keys the crop drops move to their slots, as a forward's would."""
+    rule = {} if not sinks else dict(attention_sinks=2, attention_sink_positions=sinks)
+    model = perturbed_model(tiny_config(attention_mode="sliding", **rule))
+    ids, following = prompt(1, 2 * W + 3), prompt(1, 4, seed=9)
+    for first, remove in [(W + 2, 2), (W - 3, 4), (2 * W - 4, 5), (2 * W - 4, 1)]:
+        recorded, plain = LexCache(model.config), LexCache(model.config)
+        recorded.activate_past_recording(recurrent_states_to_keep=count)
+        with torch.no_grad():
+            model(ids[:, :first], past_key_values=recorded)
+            model(ids[:, first : first + remove + 2], past_key_values=recorded)
+            model(ids[:, : first + 2], past_key_values=plain)
+            recorded.crop(-remove)
+            assert recorded.held == plain.held
+            torch.testing.assert_close(model(following, past_key_values=recorded).logits,
+                                       model(following, past_key_values=plain).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_the_drafted_count_is_reported_while_recording(weights):
+    """`get_recurrent_states_to_keep` answers with the count `activate_past_recording` was given while the past is
+    recorded (0 otherwise), so generate()'s own `max(1, cache.get_recurrent_states_to_keep())` keeps a larger one;
+    a count that is not an int >= 0 is refused by name."""
+    cache = LexCache(build(weights["main"], attention_mode="sliding", attention_window=16).config)
+    assert cache.get_recurrent_states_to_keep() == 0
+    cache.activate_past_recording(recurrent_states_to_keep=5)
+    assert cache.get_recurrent_states_to_keep() == 5 and cache.is_croppable
+    cache.activate_past_recording(recurrent_states_to_keep=max(1, cache.get_recurrent_states_to_keep()))
+    assert cache.get_recurrent_states_to_keep() == 5
+    cache.reset()
+    assert cache.get_recurrent_states_to_keep() == 5  # reset keeps recording, as it keeps record_past
+    with pytest.raises(ValueError, match=r"recurrent_states_to_keep=-1: allowed values are None or an int >= 0"):
+        cache.activate_past_recording(recurrent_states_to_keep=-1)
+
+
 def test_recorded_cache_holds_the_window_plus_the_candidates(weights):
     """While assisted decoding records the past, a layer holds at most w - 1 keys plus the candidates of the last
     round (and the bonus token); after each crop, at most w - 1 again."""

@@ -51,7 +51,7 @@ def test_the_installed_transformers_lies_in_the_range():
 
 
 @pytest.mark.parametrize("version, warns", [("5.22.2", True), ("5.23.0", False), ("5.24.0", False),
-                                            ("5.24.9", False), ("5.25.0", True), ("6.0.0", True)])
+                                            ("5.24.9", False), ("5.25.0", False), ("5.25.9", False), ("5.26.0", True), ("6.0.0", True)])
 def test_a_version_outside_the_range_gets_one_warning_naming_it(version, warns):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -99,6 +99,6 @@ def test_a_torch_below_the_floor_fails_the_import_in_one_line_naming_the_range(m
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     lines = run.stderr.strip().splitlines()
     assert run.returncode == 1
-    assert lines[-1] == (f"ImportError: lex-transformer needs torch>={OLDEST_TORCH} (transformers 5.23-5.24 turn "
+    assert lines[-1] == (f"ImportError: lex-transformer needs torch>={OLDEST_TORCH} (transformers 5.23-5.25 turn "
                          f"PyTorch off below it); torch 2.5.1+cpu is installed: pip install 'torch>={OLDEST_TORCH}'")
     assert len(lines) <= 8 and not any("site-packages" in line for line in lines), run.stderr
