@@ -102,3 +102,30 @@ def test_a_torch_below_the_floor_fails_the_import_in_one_line_naming_the_range(m
     assert lines[-1] == (f"ImportError: lex-transformer needs torch>={OLDEST_TORCH} (transformers 5.23-5.25 turn "
                          f"PyTorch off below it); torch 2.5.1+cpu is installed: pip install 'torch>={OLDEST_TORCH}'")
     assert len(lines) <= 8 and not any("site-packages" in line for line in lines), run.stderr
+
+
+@pytest.mark.parametrize("use_kernels", [None, False])
+def test_a_loaded_model_trains_and_generates_kernelized_or_not(tmp_path, use_kernels):
+    """transformers >= 5.25 kernelizes every model `from_pretrained` loads (`use_kernels` defaults to True there,
+    and `train()`/`eval()` kernelize again): a LEX folder loads either way, its logits and greedy tokens are the
+    saved model's, and a training step gives the saved model's gradients."""
+    model = perturbed_model(tiny_config(attention_mode="sliding", attention_sinks=2))
+    model.save_pretrained(tmp_path)
+    options = {} if use_kernels is None else {"use_kernels": use_kernels}
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, **options)
+    if use_kernels is None and Version(transformers.__version__) >= Version("5.25"):
+        assert loaded.use_kernels  # the default took: the model was kernelized
+    else:
+        assert not loaded.use_kernels
+    ids = prompt(2, 40, seed=4)
+    for each in (model, loaded):
+        each.train()
+        each.zero_grad()
+        each(ids, labels=ids).loss.backward()
+        each.eval()
+    for (name, expected), got in zip(model.named_parameters(), loaded.parameters()):
+        torch.testing.assert_close(got.grad, expected.grad, msg=name)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+    assert torch.equal(loaded.generate(ids, max_new_tokens=24, do_sample=False),
+                       model.generate(ids, max_new_tokens=24, do_sample=False))
