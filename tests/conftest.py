@@ -1,4 +1,5 @@
-"""Shared test set-up: the repository root on sys.path, TorchScale importable without timm, and `lex_run`.
+"""Shared test set-up: the repository root on sys.path, TorchScale importable without timm, `lex_run`, and each
+pytest-xdist worker on its share of the cores.
 
 TorchScale 0.3.0 imports `timm.models.layers.drop_path` at import time, only for stochastic depth.
 timm would pull torchvision (and a CUDA torch), so the tests install a stand-in that refuses to run:
@@ -38,6 +39,18 @@ _install_timm_stand_in()
 
 
 import pytest  # noqa: E402
+
+
+def pytest_configure(config) -> None:
+    """Under pytest-xdist the workers share the machine's cores: each computes on its share of them (one thread
+    each on 2 cores), as several torch processes with a thread per core each would contend badly."""
+    import os
+
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
 
 
 class LexRun:
