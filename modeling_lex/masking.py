@@ -77,7 +77,6 @@ class Tile:
 class AttentionPlan:
     """What every layer of one forward runs: the tiles, and what each layer hands its cache with its keys."""
 
-    record: ForwardRecord
     tiles: list[Tile]
     sink_slots: int  # the cache's sink slots, which come first among the keys it returns
     attention_maps: bool = False  # one dense tile over every key, whose weights are the full attention map
@@ -357,7 +356,7 @@ def build_plan(
     ctx = record.context
     total, n_keys = ctx.query_positions.shape[1], ctx.key_positions.shape[1]
     window = config.attention_window
-    plan = AttentionPlan(record, [], record.sink_slots, attention_maps)
+    plan = AttentionPlan([], record.sink_slots, attention_maps)
     if position_method.per_token:
         plan.token_factors = position_method.token_factors(ctx.query_positions).unsqueeze(1)
     if total <= window or attention_maps or ctx.allowed is not None:  # a 4D mask is O(T * K) already

@@ -54,26 +54,18 @@ def inverse_rotation(factors: torch.Tensor) -> torch.Tensor:
     return (factors.unflatten(-1, (-1, 2)) * factors.new_tensor([1.0, -1.0])).flatten(-2)
 
 
-def apply_rotary(x: torch.Tensor, factors: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
     """x (..., head_dim) with each interleaved pair (x0, x1), read as the complex number x0 + i x1, multiplied by
     its factor from `rotary_factors`: TorchScale's rotation (x0 cos - x1 sin, x1 cos + x0 sin) and scale, taken in
     float32. Eager, as one complex product: one pass over x, where the real form takes four element-wise ops, each
     reading and writing all of it; compiled, in the real form, which inductor fuses into one kernel (it generates
-    no code for complex numbers, torch 2.13). `out` (x's shape and dtype): written with the result and returned;
-    eager in float32, the complex product is written there itself, with no copy (the cache rotates its block
-    memory's keys into their places in its span so)."""
+    no code for complex numbers, torch 2.13)."""
     pairs, f = x.float().unflatten(-1, (-1, 2)), factors.unflatten(-1, (-1, 2))
     if torch.compiler.is_compiling():
         x0, x1, cos, sin = pairs[..., 0], pairs[..., 1], f[..., 0], f[..., 1]
         product = torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1)
-    elif out is not None and out.dtype == torch.float32:
-        torch.mul(torch.view_as_complex(pairs), torch.view_as_complex(f),
-                  out=torch.view_as_complex(out.unflatten(-1, (-1, 2))))
-        return out
     else:
         product = torch.view_as_real(torch.view_as_complex(pairs) * torch.view_as_complex(f))
-    if out is not None:
-        return out.copy_(product.flatten(-2))
     return product.flatten(-2).to(x.dtype)
 
 

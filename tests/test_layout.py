@@ -133,3 +133,25 @@ def test_the_memory_types_are_named_in_three_rooms():
             if words & MEMORY_TYPES:
                 naming.add(name)
     assert naming == {"modeling_lex.record", "modeling_lex.memory", "modeling_lex.cache"}
+
+
+def test_the_reading_path_benchmark_counts_the_crossings_of_one_decoded_token():
+    """benchmarks/reading_path.py, the figure a redesign of the reading path is measured by: it sees the model's
+    calls from one file into another (each layer's call into the cache), none from outside, and phases that add up
+    to every crossing it lists."""
+    import argparse
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from reading_path import trace_one_step
+
+    args = argparse.Namespace(context=87, window=32, sinks=4, memory_blocks=2, memory_block_size=4, layers=3,
+                              choosing=False)
+    result = trace_one_step(args)
+    edges = result["crossings"]
+    assert sum(e["calls"] for e in edges) == (result["before_the_layers"] + result["per_layer"] * 3
+                                             + result["after_the_layers"])
+    assert any(e["phase"] == "layers" and e["from"] == "modeling_lex/modeling_lex.py" and e["calls"] == 3
+               and e["to"] == "modeling_lex/cache.py" for e in edges)
+    assert all(e["from"] != e["to"] for e in edges)
+    assert set(result["modules_entered"]) <= {f"{p.parent.name}/{p.name}" for p in ROOT.glob("*_lex/*.py")}

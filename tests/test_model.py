@@ -80,11 +80,6 @@ def test_both_forms_of_the_rotary_product_encode_as_the_float64_reference(monkey
                                               downscale=downscale) for h in range(3)])[None]
         tolerance = 1e-6 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(ours.double(), exact, atol=tolerance, rtol=tolerance)
-        # into a slice of a buffer (the cache's span): only the slice written, with the same numbers
-        buffer = torch.full((1, 3, 50, 64), 7.0, dtype=dtype)
-        assert apply_rotary(x.to(dtype), factors, out=buffer[:, :, 5:45]).data_ptr() == buffer[:, :, 5:45].data_ptr()
-        torch.testing.assert_close(buffer[:, :, 5:45], ours, atol=0, rtol=0)
-        assert bool((buffer[:, :, :5] == 7).all()) and bool((buffer[:, :, 45:] == 7).all())
 
 
 def test_xpos_scale_is_torchscale_buffer():
