@@ -53,6 +53,32 @@ def pytest_configure(config) -> None:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
 
 
+# The scopes (a module, or a class of one) that take longest, roughly longest first (pytest --durations).
+# pytest-xdist hands scopes to its workers in collection order (README's test command passes --dist loadscope
+# --no-loadscope-reorder), two to each worker at first, so these start first and the many short modules fill in
+# beside them.
+LONGEST_FIRST = (
+    "tests/test_real_checkpoint.py::TestFourL", "tests/test_newcomer.py", "tests/test_train.py", "tests/test_gguf.py",
+    "tests/test_real_checkpoint.py", "tests/test_study.py", "tests/test_model_card.py", "tests/test_staging.py",
+    "tests/test_notebook.py",
+)
+
+
+def pytest_collection_modifyitems(config, items: list) -> None:
+    """Under pytest-xdist, the scopes of LONGEST_FIRST first, in that order; every other test after them, in
+    collection order (a single process keeps collection order: a module's fixtures are set up once)."""
+    import os
+
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")) < 2:
+        return
+
+    def rank(item) -> int:
+        scope = item.nodeid.rsplit("::", 1)[0]
+        return LONGEST_FIRST.index(scope) if scope in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable
+
+
 class LexRun:
     """`lex ARGS...` in this process, as a shell sees it: (exit status, stdout, stderr), whether the command
     returned its status or raised SystemExit (argparse's --help does)."""

@@ -79,16 +79,20 @@ def test_the_converted_checkpoint_computes_what_transformers_llama_does(smollm2,
 
 
 @pytest.mark.parametrize("mode", ["sliding", "blockwise"])
-def test_through_a_window_with_sinks_in_the_cache_4l_reads_as_1k_does(smollm2, text_ids, mode):
-    """The same 32,768 tokens read as 32 segments of 1,024 and as one segment of 4·l: within 5%."""
-    llama, _ = smollm2
-    lex = lex_from_hf(llama, mode, WINDOW, SINKS).eval()
-    assert lex.config.attention_sink_positions == "cache"
-    ids = text_ids[: 4 * L]
-    short = perplexity(lex, list(ids.split(1024)))
-    long = perplexity(lex, [ids])
-    print(f"{mode} + {SINKS} sinks in the cache, w = {WINDOW}: 1,024 tokens {short:.3f}, 32,768 tokens {long:.3f}")
-    assert long <= 1.05 * short
+class TestFourL:
+    """The longest readings, a class of their own: pytest-xdist (`--dist loadscope`) runs a class apart from its
+    module's functions, so the two halves of this module run on two workers."""
+
+    def test_through_a_window_with_sinks_in_the_cache_4l_reads_as_1k_does(self, smollm2, text_ids, mode):
+        """The same 32,768 tokens read as 32 segments of 1,024 and as one segment of 4·l: within 5%."""
+        llama, _ = smollm2
+        lex = lex_from_hf(llama, mode, WINDOW, SINKS).eval()
+        assert lex.config.attention_sink_positions == "cache"
+        ids = text_ids[: 4 * L]
+        short = perplexity(lex, list(ids.split(1024)))
+        long = perplexity(lex, [ids])
+        print(f"{mode} + {SINKS} sinks in the cache, w = {WINDOW}: 1,024 tokens {short:.3f}, 32,768 tokens {long:.3f}")
+        assert long <= 1.05 * short
 
 
 def test_sinks_at_their_true_distance_explode_past_l(smollm2, text_ids):
