@@ -167,9 +167,9 @@ def _meet_sinks_in_their_frame(q: torch.Tensor, q_sink: torch.Tensor, k: torch.T
                                memory: int = 0):
     """Each query twice along the head dimension, as encoded and in the sink frame; the window keys meet the first
     copy and the first `sinks` and last `memory` key columns (the block memory's) the second, so one attention call
-    scores the sinks and the memory at their places in the cache while every other key keeps its own. The values are padded with zeros to the same width (SDPA's
-    fused CPU kernel needs equal widths; with a narrower value it falls back to the unfused math path, twice as
-    slow measured on a 30-layer checkpoint): the caller keeps the first half of the output."""
+    scores the sinks and the memory at their places in the cache while every other key keeps its own. The values
+    are padded with zeros to the same width (SDPA's fused CPU kernel needs equal widths, else it takes the unfused
+    math path): the caller keeps the first half of the output."""
     width = k.shape[-1]
     keys = k.new_zeros(*k.shape[:-1], 2 * width)
     window = slice(sinks, k.shape[-2] - memory)

@@ -109,11 +109,8 @@ def block_scores(query: torch.Tensor, representatives: torch.Tensor, candidates:
     of which `candidates` (B, n) may be read -> (B, n), 0 where no candidate: over query heads and queries, the
     sum of the squared share of each one's softmax over the candidates that the block's best representative
     takes. The representatives are scored in slices of blocks whose logits are at most `SCORED_LOGITS_AT_ONCE`, so
-    that the temporaries stay of one size however long the document (the logits of all of them at once were 75 MB a
-    layer at 131k tokens of a prompt's choosing queries, and glibc kept what they left behind), and a decoding
-    step's one query scores every block at once (8,127 blocks, 131k tokens: 1.7 ms, in slices of 256 blocks 2.4-3.1
-    ms, benchmarks/memory_choice_speed.py); a block's best logit is the elementwise max of its r rows of logits (a
-    max over each block's r adjacent logits took 40% more time than the logits themselves)."""
+    that the temporaries stay of one size however long the document, while a decoding step's one query scores every
+    block at once; a block's best logit is the elementwise max of its r rows of logits."""
     batch, heads, queries, width = query.shape
     kv_heads, count, blocks = representatives.shape[1], representatives.shape[2], representatives.shape[3]
     grouped = query.reshape(batch, kv_heads, 1, heads // kv_heads * queries, width).float()
@@ -128,8 +125,7 @@ def block_scores(query: torch.Tensor, representatives: torch.Tensor, candidates:
 
 def _best(scores: torch.Tensor, count: int) -> torch.Tensor:
     """Indices (..., count) of the `count` best scores along the last dimension, of equal scores the later ones, in
-    stream order: by one top-k and linear passes (`choose_blocks` among 8,127 blocks, 131k tokens, in 0.7 ms where
-    two stable sorts took 1.4-1.7 ms; among 447, 8k tokens, 0.46 ms against 0.16-0.19: benchmarks/RESULTS.md)."""
+    stream order: by one top-k and linear passes, no sort."""
     n = scores.shape[-1]
     if count >= n:
         return torch.arange(n, device=scores.device).expand(*scores.shape[:-1], n)
@@ -171,10 +167,8 @@ def choose_blocks(scores: torch.Tensor, slots: int) -> torch.Tensor:
 def placed(chosen: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     """Chosen blocks (..., k) in stream order, -1 (empty) first -> the same blocks in the order the slots read them:
     each run of consecutive blocks whole and in stream order, the runs by their best score, the best last (next to
-    the window); of equal scores the earlier run first. The slots nearest the window are the ones the model reads
-    best: on SmolLM2-135M the passkey 19665, hidden in natural text at 50% of 32k tokens, was read in all 30 of the
-    answering token's layers with 34-41 other blocks (544-656 tokens) between it and the window, and missed; with
-    the runs by score, 8-19 (128-304 tokens), and recalled (benchmarks/RESULTS.md)."""
+    the window); of equal scores the earlier run first: the slots nearest the window are the ones a model reads
+    best, so the best run sits there."""
     starts = torch.ones_like(chosen, dtype=torch.bool)
     starts[..., 1:] = (chosen[..., 1:] != chosen[..., :-1] + 1) | (chosen[..., :-1] < 0)
     run = starts.long().cumsum(-1) - 1  # each slot's run
@@ -268,9 +262,8 @@ class BlockMemory:
         return self.length * per_token + self.blocks * self.representatives[:, :, :, :1].nbytes
 
     def reserve(self, tokens: int) -> None:
-        """Make room for `tokens` held tokens at the next growth, not by doublings: a prompt read in many forwards
-        copied its store at each doubling (3 s of a 32k prompt's prefill on 2 CPU cores, and the old buffer beside
-        the new one while it copied). Pages not yet written take no memory."""
+        """Make room for `tokens` held tokens at the next growth, not by doublings, so a prompt read in many forwards
+        copies its store once. Pages not yet written take no memory."""
         self.reserved = max(self.reserved, tokens)
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -328,8 +321,7 @@ class BlockMemory:
 
     def _blocks(self, held: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """held (B, H, capacity, d) at blocks chosen (B, k), -1 read as block 0 -> (B, H, k*block, d): whole blocks
-        as rows of one contiguous view (capacity is a multiple of the block; a gather over every element, or
-        indexing by row and block, took 2 to 4 times the attention's time per decoding step at 3k tokens)."""
+        as rows of one contiguous view (capacity is a multiple of the block), one `index_select` of whole rows."""
         batch, heads, capacity, width = held.shape
         per_row = capacity // self.block
         rows = torch.arange(batch * heads, device=chosen.device).view(batch, heads, 1) * per_row

@@ -224,9 +224,8 @@ class LexDecoderLayer(GradientCheckpointingLayer):
 
     def _residual(self, x: torch.Tensor, out: torch.Tensor, norm: nn.Module, out_norm: nn.Module | None
                   ) -> torch.Tensor:
-        """x * alpha + dropout(out), then the norm in post-norm layers (no full-size multiply by alpha = 1, no
-        dropout call outside training: both measured per layer on a 30-layer checkpoint); `out_norm`, if any,
-        normalises the sublayer's output first."""
+        """x * alpha + dropout(out), then the norm in post-norm layers (no multiply by alpha = 1, no dropout call
+        outside training); `out_norm`, if any, normalises the sublayer's output first."""
         if out_norm is not None:
             out = out_norm(out)
         if self.training:
@@ -412,9 +411,8 @@ class LexModel(LexPreTrainedModel):
         queries have a gap of up to T - 1 keys between the memory (what the cache had evicted when the forward
         began) and their window. In pieces more of the question's queries choose, and each forward starts from what
         the one before it found (`Evidence.carried`), so the token that predicts the next one reads the blocks the
-        whole question points to (benchmarks/RESULTS.md: keys hidden in natural text at 90% of 32k tokens, 3 of 3
-        recalled against 0 of 3 read w at a time); the last p / 4 tokens, read without the filler before them, hand
-        on what the question's own words find (natural text at 50% of 32k: 2 of 3 against 0 of 3 with blocks of 16).
+        whole question points to; the last p / 4 tokens, read without the filler before them, hand on what the
+        question's own words find.
 
         Only the last `hidden_states_to_keep` hidden states are kept (all of them when it is 0).
         """
