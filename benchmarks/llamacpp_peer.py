@@ -9,6 +9,14 @@ int4 (bfloat16 activations); at the contexts of --memory_contexts, int4 and floa
 memory (--memory_blocks blocks of 16 tokens) beside the window alone. llama.cpp keeps full attention over the
 whole context (n_ctx = context + what is decoded).
 
+Beside each reader's speed it prints the bytes of weights one decoding step reads (LEX: every parameter and
+buffer of the model but the token embedding, of which a step reads one row, each stored tensor counted by what it
+holds, so int4's packed weights and scales are counted as stored; with tied embeddings the head reads the whole
+table once; llama.cpp: every tensor of the GGUF file but the token embedding, the output head's own tensor, or
+the token embedding again where the head is tied), the GB/s that makes at its decoding speed, and, measured in the
+same process before the readers, the machine's memory bandwidth with --threads threads (the best of 5 copies of
+a 1 GiB buffer: bytes read plus bytes written over the time), with the instruction sets torch and llama.cpp use.
+
 Per context, in one process: every reader prefills the first `context` tokens of the King James Bible once
 (tokens/s to its first new token, greedy), then they decode in turns, spells of --new tokens, --rounds rounds,
 each round in the reverse order of the last; a reader's decoding speed is the median of its spells' tokens/s and
@@ -56,6 +64,7 @@ class LlamaCppReader:
         self.llm = Llama(model_path=str(path), n_ctx=context + new_tokens + 16, n_threads=threads,
                          n_threads_batch=threads, n_batch=512, verbose=False)
         self.tokens: list[int] = []
+        self.bytes_per_token = gguf_bytes_per_token(path)
 
     def prefill(self, ids: torch.Tensor) -> float:
         self.tokens = ids[0].tolist()
@@ -74,12 +83,68 @@ class LlamaCppReader:
         return new / (stamps[-1] - stamps[0])
 
 
+def stored_bytes(tensor: torch.Tensor) -> int:
+    """Bytes a tensor holds: a tensor subclass (torchao's quantized weights) by the tensors it is made of."""
+    if hasattr(tensor, "__tensor_flatten__") and type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        names, _ = tensor.__tensor_flatten__()
+        return sum(stored_bytes(getattr(tensor, name)) for name in names)
+    return tensor.numel() * tensor.element_size()
+
+
+def lex_bytes_per_token(model) -> int:
+    """Bytes of weights one decoding step of `model` reads (see the module docstring)."""
+    embedding = model.get_input_embeddings().weight
+    seen, total = set(), 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        total += stored_bytes(tensor)
+    tied = getattr(model.get_output_embeddings(), "weight", None) is embedding  # (a quantized head is its own)
+    return total - (0 if tied else stored_bytes(embedding))
+
+
+def gguf_bytes_per_token(path: Path) -> int:
+    """Bytes of weights one llama.cpp decoding step reads from the GGUF file (see the module docstring)."""
+    from gguf import GGUFReader
+
+    sizes = {tensor.name: int(tensor.n_bytes) for tensor in GGUFReader(str(path)).tensors}
+    embedding = sizes.pop("token_embd.weight")
+    return sum(sizes.values()) + (0 if "output.weight" in sizes else embedding)
+
+
+def memory_bandwidth(threads: int, size: int = 1 << 30, repeats: int = 5) -> float:
+    """GB/s of the best of `repeats` copies of a `size`-byte buffer into another on `threads` threads (bytes read
+    plus bytes written)."""
+    torch.set_num_threads(threads)
+    source, target = torch.ones(size // 4), torch.empty(size // 4)
+    target.copy_(source)  # (pages touched before timing)
+    best = float("inf")
+    for _ in range(repeats):
+        began = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - began)
+    return 2 * size / best / 1e9
+
+
+def instruction_sets(with_llamacpp: bool) -> dict:
+    """The instruction sets torch's CPU kernels use, and what llama.cpp reports it was built with."""
+    found = {"torch": torch.backends.cpu.get_cpu_capability()}
+    if with_llamacpp:
+        import llama_cpp
+
+        info = llama_cpp.llama_print_system_info()
+        found["llama.cpp"] = (info.decode() if isinstance(info, bytes) else str(info)).strip()
+    return found
+
+
 class LexReader:
     """A LEX model through generate(), its cache kept between spells."""
 
     def __init__(self, model):
         self.model = model
         self.cache, self.ids = None, None
+        self.bytes_per_token = lex_bytes_per_token(model)
 
     @torch.no_grad()
     def generate(self, ids: torch.Tensor, new: int) -> tuple[Clock, float]:
@@ -124,8 +189,11 @@ def one_context(args) -> dict:
     torch.set_num_threads(args.threads)
     path = real_checkpoint(args.model)
     ids = prompt_ids(load_tokenizer(str(path)), args.context)
+    bandwidth = memory_bandwidth(args.threads)
     chosen = readers(args, path)
-    result = {"context": args.context, "prefill": {}, "decode": {name: [] for name in chosen}}
+    result = {"context": args.context, "prefill": {}, "decode": {name: [] for name in chosen},
+              "bandwidth_gb_s": bandwidth, "instruction_sets": instruction_sets("llama.cpp" in chosen),
+              "bytes_per_token": {name: reader.bytes_per_token for name, reader in chosen.items()}}
     for name, reader in chosen.items():
         result["prefill"][name] = reader.prefill(ids)
         print(f"  {args.context}: {name} prefilled at {result['prefill'][name]:.0f} tokens/s", file=sys.stderr,
@@ -169,8 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     options = [f"--readers={','.join(args.readers)}", f"--memory_contexts={','.join(map(str, args.memory_contexts))}"]
     options += [f"--{name}={value}" for name, value in vars(args).items()
                 if name not in ("contexts", "context", "output", "readers", "memory_contexts") and value is not None]
-    print(f"{'context':>8} {'reader':<14}{'prefill/s':>10}{'decode/s':>10}{'prefill ×':>10}{'decode ×':>9}",
-          flush=True)
+    print(f"{'context':>8} {'reader':<14}{'prefill/s':>10}{'decode/s':>10}{'MB/token':>10}{'GB/s':>7}"
+          f"{'of bw':>7}{'prefill ×':>10}{'decode ×':>9}", flush=True)
     for context in map(int, args.contexts.split(",")):
         run = subprocess.run([sys.executable, __file__, f"--context={context}", *options], check=True,
                              stdout=subprocess.PIPE, text=True)
@@ -178,9 +246,13 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         for name, prefill in row["prefill"].items():
             decode = statistics.median(row["decode"][name])
+            moved = row["bytes_per_token"][name] * decode / 1e9
             ratios = (f"{row['prefill_over_llamacpp'][name]:>10.2f}{row['decode_over_llamacpp'][name]:>9.2f}"
                       if "decode_over_llamacpp" in row else "")
-            print(f"{context:>8} {name:<14}{prefill:>10.0f}{decode:>10.1f}{ratios}", flush=True)
+            print(f"{context:>8} {name:<14}{prefill:>10.0f}{decode:>10.1f}{row['bytes_per_token'][name] / 1e6:>10.1f}"
+                  f"{moved:>7.1f}{moved / row['bandwidth_gb_s']:>7.2f}{ratios}", flush=True)
+        print(f"{context:>8} memory bandwidth {row['bandwidth_gb_s']:.1f} GB/s ({args.threads} threads, copy); "
+              + "; ".join(f"{side}: {isa}" for side, isa in row["instruction_sets"].items()), flush=True)
     write_output(args, {"rows": rows, "torch": torch.__version__})
     return 0
 
