@@ -134,7 +134,10 @@ class LexConfig(PreTrainedConfig):
         local_layers: per layer, whether it is a local layer (None, the default: none is): sliding attention over
             its own trained window `local_attention_window` with its own `local_rope_parameters`, without sinks,
             whatever `attention_mode`, `attention_window` and `attention_sinks` the other (global) layers take
-            (Gemma 2/3's sliding_attention layers). local_attention_window: even and >= 4, given with local_layers.
+            (Gemma 2/3's sliding_attention layers). With a block memory, only the global layers read it, and their
+            window holds every key a local layer reads (the memory takes what leaves it): sliding, attention_window
+            >= local_attention_window; blockwise, attention_window >= 2 * (local_attention_window - 1).
+            local_attention_window: even and >= 4, given with local_layers.
             local_rope_parameters: the local layers' rope (Gemma 3's rope_local_base_freq); None: `rope_parameters`.
         hf_model_type: the transformers family a converted checkpoint came from, "qwen3", "phi3", "smollm3",
             "gemma2" or "gemma3_text" (Gemma3ForCausalLM), which `lex convert-to-hf` writes back (Phi-3's fused
@@ -272,11 +275,18 @@ class LexConfig(PreTrainedConfig):
                     f"{self.attention_sinks} at attention_sink_positions={self.attention_sink_positions!r}: the memory "
                     "sits between the sinks and the window in the cache's frame (allowed: 'cache')"
                 )
-            if self.local_layers is not None:
+            held = self.attention_window if self.attention_mode == "sliding" else self.attention_window // 2 + 1
+            if self.local_layers is not None and (self.local_attention_window or 0) > held:
+                # The memory takes the keys that leave the global layers' window; a local layer reading keys
+                # older than that window would leave the global layers a gap between the memory and the window.
+                least = self.local_attention_window if self.attention_mode == "sliding" else \
+                    2 * (self.local_attention_window - 1)
                 raise ValueError(
-                    f"LexConfig.attention_memory_blocks={self.attention_memory_blocks} with local_layers (Gemma's "
-                    "sliding layers): a block memory beside layers that keep their own window is not supported "
-                    "(allowed: local_layers=None, or attention_memory_blocks=0)"
+                    f"LexConfig.attention_window={self.attention_window} with attention_memory_blocks="
+                    f"{self.attention_memory_blocks} and local_attention_window={self.local_attention_window}: the "
+                    "block memory takes the keys that leave the global layers' window, which must hold every key "
+                    f"a local layer reads (allowed in attention_mode={self.attention_mode!r}: attention_window >= "
+                    f"{least}, or attention_memory_blocks=0)"
                 )
         if self.rope_layers is not None:
             if len(self.rope_layers) != self.num_hidden_layers:
@@ -339,9 +349,11 @@ class LexConfig(PreTrainedConfig):
 
     def local_view(self) -> "LexConfig":
         """What a local layer computes by (`local_layers`): this config in sliding mode over
-        `local_attention_window`, without sinks, with `local_rope_parameters` (or the global rope)."""
+        `local_attention_window`, without sinks or a block memory, with `local_rope_parameters` (or the global
+        rope)."""
         view = copy.deepcopy(self)
         view.attention_mode, view.attention_window, view.attention_sinks = "sliding", self.local_attention_window, 0
+        view.attention_memory_blocks = 0
         view.rope_parameters = dict(self.local_rope_parameters or self.rope_parameters)
         view.local_layers = view.local_attention_window = view.local_rope_parameters = None
         return view

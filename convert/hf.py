@@ -23,7 +23,8 @@ with their own rope (Gemma 3's per-layer-type rope_parameters), whatever mode an
 does: full attention, or the source's `sliding_window` on every layer as LEX `sliding` with w = that window (a
 query at p sees p-w+1 ... p in both). `attention_mode="blockwise"` (BCA) or `"sliding"` makes it read past its
 training length, and `attention_memory_blocks` k > 0 (with `attention_memory_block_size` b) adds a block memory
-past the window to those modes: the k blocks of b evicted tokens that the current query scores best are read too.
+past the window to those modes: the k blocks of b evicted tokens that the current query scores best are read too
+(by the global layers; Gemma's local layers keep their own window).
 
 Position retrofit: `position_embedding_type="xpos"` keeps the source's rotation (its rope_type's frequencies and
 attention factor, linear, llama3 and yarn included) and adds xPos's scale zeta^((m-n)/B), with B =

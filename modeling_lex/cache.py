@@ -337,16 +337,18 @@ class LexCache(LexCacheSteps, DynamicCache):
         """`memory_directory`: with a block memory (`attention_memory_blocks`), keep its keys and values in
         memory-mapped files there instead of RAM (the blocks' representatives stay in RAM: memory.py)."""
         self.config, self.memory_directory = config, memory_directory
-        init_cache_layers(self, [LexCacheLayer(self._memory()) for _ in range(config.num_hidden_layers)])
+        init_cache_layers(self, [LexCacheLayer(self._memory(index)) for index in range(config.num_hidden_layers)])
         self.stream = Stream(config)
         # (B, blocks then): what the last forward that chose blocks found, one layer's worth; None before one
         self.memory_evidence: torch.Tensor | None = None
         self._step: MemoryStep | None = None  # what the forward open now gathers from the block memory
         self.drafted_tokens = 0  # activate_past_recording's recurrent_states_to_keep
 
-    def _memory(self) -> BlockMemory | None:
-        """A layer's block memory, or None without one."""
-        if not memory_tokens(self.config):
+    def _memory(self, layer_idx: int) -> BlockMemory | None:
+        """Layer `layer_idx`'s block memory, or None: without one, and in local layers (`local_layers`), which keep
+        their own window."""
+        local = self.config.local_layers is not None and self.config.local_layers[layer_idx]
+        if not memory_tokens(self.config) or local:
             return None
         config = self.config
         return BlockMemory(config.attention_memory_block_size, config.attention_memory_blocks, memory_piece(config),
@@ -402,10 +404,10 @@ class LexCache(LexCacheSteps, DynamicCache):
                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The blocks layer `layer_idx`'s queries choose, by the evidence of the layers before it; the choice is
         the forward step's until it commits."""
-        step = self._step
-        if step is None:
+        step, memory = self._step, self.layers[layer_idx].memory
+        if step is None or memory is None:
             return None
-        choice = self.layers[layer_idx].memory.read(query, step.read, step.evidence, request.memory_frame)
+        choice = memory.read(query, step.read, step.evidence, request.memory_frame)
         step.choices[layer_idx] = choice
         return choice.keys, choice.values
 
@@ -497,8 +499,8 @@ class LexCache(LexCacheSteps, DynamicCache):
 
     def reset(self) -> None:
         super().reset()
-        for layer in self.layers:
-            layer.memory = self._memory()
+        for index, layer in enumerate(self.layers):
+            layer.memory = self._memory(index)
         record = self.stream.record_past
         self.stream = Stream(self.config)
         self.stream.record_past = record

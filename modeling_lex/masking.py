@@ -178,7 +178,7 @@ def _dense_tile(
 ) -> Tile:
     """The tile of queries `queries` against the window part's keys `keys` and the sink columns; with the `record`
     of a forward that reads the block memory, the memory's slots last."""
-    memory = None if record is None else record.memory
+    memory = None if record is None or not memory_tokens(config) else record.memory  # (a local layer: none)
     anchor = ctx.query_positions[:, queries.start : queries.start + 1]
     k_index = ctx.key_index[keys].expand(anchor.shape[0], -1)
     k_positions, k_valid = ctx.key_positions[:, keys], ctx.key_valid[:, keys]

@@ -9,9 +9,9 @@ benchmarks/journal/, not here.
 In short: keys and values that leave a LexCache's window part are appended here in stream order, without positions
 (RoPE keys rotated back to position 0: `CacheRequest.memory_unrotate`), in blocks of b =
 `attention_memory_block_size`, each complete block with `representative_count(b)` representative keys (its keys of
-largest norm). Each layer scores the candidate blocks (`MemoryRead.candidates`) for the forward's choosing queries
-(`choosing_queries`), adds the score to the forward's `Evidence` (the layers below it, and what the last forward
-that chose found) and reads the blocks `choose_blocks` picks by it, in the slots `placed` orders. The forward's
+largest norm). Each layer with a memory (every layer but Gemma's local ones) scores the candidate blocks
+(`MemoryRead.candidates`) for the forward's choosing queries (`choosing_queries`), adds the score to the forward's
+`Evidence` (the layers below it, and what the last forward that chose found) and reads the blocks `choose_blocks` picks by it, in the slots `placed` orders. The forward's
 `MemoryStep` keeps the evidence and each layer's `Choice`; a choice, like everything a forward reads, is held only
 when the forward commits.
 

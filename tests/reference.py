@@ -4,6 +4,7 @@ Absolute positions, an explicit n x n mask per mode, explicit per-head loops: sl
 It reads the weights of a LexForCausalLM state dict by name.
 """
 
+import copy
 import math
 
 import torch
@@ -83,13 +84,16 @@ def fairseq_sinusoidal(positions, dim):
 
 def activation(config):
     return {"gelu": torch.nn.functional.gelu, "relu": torch.relu, "swish": torch.nn.functional.silu,
-            "silu": torch.nn.functional.silu}[config.hidden_act]
+            "silu": torch.nn.functional.silu,
+            "gelu_pytorch_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh")}[config.hidden_act]
 
 
 def norm(sd, config, x, p):
-    """The config's norm with the weights (and bias) named p in the float64 state dict `sd`."""
-    if config.norm_type == "rmsnorm":
-        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + config.rms_norm_eps) * sd[p + ".weight"]
+    """The config's norm with the weights (and bias) named p in the float64 state dict `sd` (Gemma's RMSNorm scales
+    by 1 + weight)."""
+    if config.norm_type in ("rmsnorm", "gemma_rmsnorm"):
+        weight = sd[p + ".weight"] + (1.0 if config.norm_type == "gemma_rmsnorm" else 0.0)
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + config.rms_norm_eps) * weight
     return torch.nn.functional.layer_norm(x, x.shape[-1:], sd[p + ".weight"], sd[p + ".bias"], config.layer_norm_eps)
 
 
@@ -338,7 +342,12 @@ def memory_forward(state, config, input_ids, forwards, margins=None):
     is seen at distance (query - its window's first token) + k*b - (s*b + t), sink j at (query - window's first) +
     k*b + S - j. Supports xpos, rope, decay, alibi, none. `margins`: a list that receives, per forward and layer
     that chose among more than k blocks, the gap between the (k // 3)-th best score (k < 3: the best) and the next
-    (a float32 model may choose otherwise where it is tiny)."""
+    (a float32 model may choose otherwise where it is tiny).
+
+    Gemma's architecture too: local layers (`local_layers`) slide over their own window with their own rope, see no
+    sinks and no memory and add no score; scores are scaled by `attention_scaling` (the block scores too) and capped
+    by `attn_logit_softcapping` (attention only), per-head q/k norms, norms on each sublayer's output, Gemma's
+    RMSNorm, capped logits."""
     sd = {k: v.double() for k, v in state.items()}
     n = input_ids.shape[0]
     h, d = config.num_attention_heads, config.head_dim
@@ -346,10 +355,16 @@ def memory_forward(state, config, input_ids, forwards, margins=None):
     mode, w, sinks = config.attention_mode, config.attention_window, config.attention_sinks
     slots, block = config.attention_memory_blocks, config.attention_memory_block_size
     half, memory_places = w // 2, slots * block
-    inv_freq, attention_factor = frequencies(config)
     kind = config.position_embedding_type
-    options = dict(gamma=config.xpos_gamma, scale_base=config.xpos_scale_base, inv_freq=inv_freq,
-                   attention_factor=attention_factor)
+    scale, cap = config.attention_scaling, config.attn_logit_softcapping
+    local_layers = config.local_layers or [False] * config.num_hidden_layers
+    local_rope = copy.copy(config)
+    local_rope.rope_parameters = config.local_rope_parameters or config.rope_parameters
+    options_of = {}  # local? -> the rotary's options
+    for local, rope in ((False, config), (True, local_rope)):
+        inv_freq, attention_factor = frequencies(rope)
+        options_of[local] = dict(gamma=config.xpos_gamma, scale_base=config.xpos_scale_base, inv_freq=inv_freq,
+                                 attention_factor=attention_factor)
     act = activation(config)
 
     def ln(x, p):
@@ -358,34 +373,39 @@ def memory_forward(state, config, input_ids, forwards, margins=None):
     def lin(x, p):
         return x @ sd[p + ".weight"].T + (sd[p + ".bias"] if p + ".bias" in sd else 0)
 
-    def window_first(i):
+    def window_first(i, local):
+        if local:
+            return max(0, i - config.local_attention_window + 1)
         return max(0, i - w + 1) if mode == "sliding" else max(0, (i // half - 1) * half)
 
-    def scores_of(qh, keys, q_at, k_at, head):
-        """q . k / sqrt(d) of a raw query seen at q_at and raw keys (m, d) seen at k_at (m,), with the method's
-        terms."""
+    def scores_of(qh, keys, q_at, k_at, head, local):
+        """q . k * scale [capped] of a raw query seen at q_at and raw keys (m, d) seen at k_at (m,), with the
+        method's terms."""
         if kind in ("xpos", "rope", "decay"):
-            qh = encode(qh[None], torch.tensor([q_at]), kind, **options)[0]
-            keys = encode(keys, k_at, kind, downscale=True, **options)
-        value = keys @ qh / math.sqrt(d)
+            qh = encode(qh[None], torch.tensor([q_at]), kind, **options_of[local])[0]
+            keys = encode(keys, k_at, kind, downscale=True, **options_of[local])
+        value = keys @ qh * scale
+        if cap is not None:
+            value = torch.tanh(value / cap) * cap
         if kind == "alibi":
             value = value - alibi_slopes(h)[head] * (q_at - k_at).double()
         return value
 
-    def attend(a, count, memory):
+    def attend(a, count, memory, local):
         """Queries a ... a + count - 1 of the layer (q, k, v, attn of the loop below) over the window, the sinks and
-        `memory`: (stream index, place in the memory's slots)."""
+        `memory`: (stream index, place in the memory's slots); a local layer over its own window alone."""
         for i in range(a, a + count):
-            first = window_first(i)
+            first = window_first(i, local)
             offset = i - first
             for head in range(h):
                 kv = head // group
                 seen = [(j, i - j) for j in range(first, i + 1)]  # (key, distance)
-                seen += [(j, offset + memory_places + sinks - j) for j in range(min(sinks, first))]
-                seen += [(j, offset + memory_places - place) for j, place in memory]
+                if not local:
+                    seen += [(j, offset + memory_places + sinks - j) for j in range(min(sinks, first))]
+                    seen += [(j, offset + memory_places - place) for j, place in memory]
                 index = torch.tensor([j for j, _ in seen])
                 at = i - torch.tensor([dist for _, dist in seen])
-                weights = torch.softmax(scores_of(q[i, head], k[index, kv], i, at, head), 0)
+                weights = torch.softmax(scores_of(q[i, head], k[index, kv], i, at, head, local), 0)
                 attn[i, head] = weights @ v[index, kv]
 
     starts = [sum(forwards[:f]) for f in range(len(forwards))]
@@ -410,16 +430,21 @@ def memory_forward(state, config, input_ids, forwards, margins=None):
             q, k, v = qs[layer], ks[layer], vs[layer]
             for name, into in zip("qkv", (q, k, v)):
                 into[rows] = lin(y, p + f"self_attn.{name}_proj").view(count, -1, d)
+                if config.qk_norm and name != "v":  # per head, before positions
+                    into[rows] = ln(into[rows], p + f"self_attn.{name}_norm")
             attn = torch.zeros(n, h, d, dtype=torch.float64)
-            if not candidates or (count == 1 and held[layer] is not None and held[layer][0] == evicted // block):
+            local = local_layers[layer]
+            if local:
+                attend(a, count, [], local)
+            elif not candidates or (count == 1 and held[layer] is not None and held[layer][0] == evicted // block):
                 # nothing to choose from, or one token among the same blocks: what was chosen then
-                attend(a, count, held[layer][1] if candidates else [])
+                attend(a, count, held[layer][1] if candidates else [], local)
             else:
 
                 def block_logit(j, head, query):
                     keys = k[j * block : (j + 1) * block, head // group]
                     top = keys.norm(dim=-1).topk(max(1, block // 4)).indices
-                    return float((keys[top] @ q[query, head]).max()) / math.sqrt(d)
+                    return float((keys[top] @ q[query, head]).max()) * scale
 
                 for query in range(last, a - 1, -1 if count <= max(block, w // 16) else -math.ceil(count / block)):
                     for head in range(h):  # each query and head's softmax over the candidates, summed
@@ -439,16 +464,24 @@ def memory_forward(state, config, input_ids, forwards, margins=None):
                     slot = slots - len(read) + rank
                     memory += [(j * block + t, slot * block + t) for t in range(block)]
                 held[layer] = (evicted // block, memory)
-                attend(a, count, memory)
-            x[rows] = x[rows] + lin(attn[rows].reshape(count, h * d), p + "self_attn.o_proj")
+                attend(a, count, memory, local)
+            out = lin(attn[rows].reshape(count, h * d), p + "self_attn.o_proj")
+            if config.sublayer_output_norms:
+                out = ln(out, p + "post_self_attn_layer_norm")
+            x[rows] = x[rows] + out
             y = ln(x[rows], p + "final_layer_norm")
             if config.mlp_type == "gated":
                 y = act(lin(y, p + "mlp.gate_proj")) * lin(y, p + "mlp.up_proj")
             else:
                 y = act(lin(y, p + "mlp.fc1"))
-            x[rows] = x[rows] + lin(y, p + ("mlp.down_proj" if config.mlp_type == "gated" else "mlp.fc2"))
+            out = lin(y, p + ("mlp.down_proj" if config.mlp_type == "gated" else "mlp.fc2"))
+            if config.sublayer_output_norms:
+                out = ln(out, p + "post_mlp_layer_norm")
+            x[rows] = x[rows] + out
         if scored:
             carried = {j: (summed[j] - carried.get(j, 0.0)) / scored for j in candidates}
     x = ln(x, "model.norm")
     head = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
-    return x @ head.T
+    logits = x @ head.T
+    final_cap = config.final_logit_softcapping
+    return logits if final_cap is None else torch.tanh(logits / final_cap) * final_cap

@@ -6,6 +6,7 @@ logits) for every forward split a user meets: token by token, prompt chunks of w
 real checkpoint's recall of a key hidden at 4·l is tested in test_real_checkpoint.py (slow).
 """
 
+import json
 import math
 from itertools import accumulate
 
@@ -17,8 +18,10 @@ import modeling_lex  # noqa: F401
 from modeling_lex import LexCache, LexForCausalLM, LexStaticCache, memory
 from modeling_lex.memory import choose_blocks
 from modeling_lex.generation import CACHE_NAME  # the installed transformers' name of the cache
+from convert.hf import lex_from_hf
 from tests import reference
-from tests.helpers import PAD, W, greedy, perturbed_model, prompt, tiny_config
+from lex.cli import main as lex
+from tests.helpers import PAD, W, greedy, perturb, perturbed_model, prompt, tiny_config, word_tokenizer
 
 pytestmark = pytest.mark.oldest  # also run on the oldest transformers we declare
 
@@ -475,6 +478,99 @@ def test_refusals():
     with pytest.raises(ValueError, match="activate_past_recording with attention_memory_blocks=3"):
         model.generate(prompt(1, 8), assistant_model=perturbed_model(config, seed=1), max_new_tokens=4,
                        pad_token_id=PAD)
+
+
+GEMMA3_LAYERS = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+
+
+def gemma3_source(local_window: int = 8, seed: int = 4, **overrides):
+    """transformers' own Gemma3ForCausalLM, tiny: local layers (their own window and rope theta) between global ones
+    (linear-scaled rope), q/k norms, Gemma's norms and scaled embeddings, every parameter perturbed."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=12, sliding_window=local_window,
+        layer_types=GEMMA3_LAYERS, max_position_embeddings=W, tie_word_embeddings=False,
+        rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}, **overrides)
+    return perturb(Gemma3ForCausalLM(config).eval(), seed)
+
+
+@pytest.mark.parametrize("mode", ["sliding", "blockwise"])
+@pytest.mark.parametrize("sinks", [0, 4])
+def test_a_gemma3_model_reads_the_memory_in_its_global_layers(mode, sinks):
+    """A Gemma 3 checkpoint converted with a block memory: its global layers read the window, the sinks and the
+    memory, its local layers their own window (8, with their own rope), and only the global layers hold a memory.
+    Prompt chunks, then decoding: the reference's logits and blocks; generate() runs past the window."""
+    model = lex_from_hf(gemma3_source(), attention_mode=mode, attention_window=W, attention_sinks=sinks,
+                        attention_memory_blocks=BLOCKS, attention_memory_block_size=BLOCK)
+    assert model.config.local_layers == [kind == "sliding_attention" for kind in GEMMA3_LAYERS]
+    ids = distinct_prompt(60, seed=1)
+    calls = [W, W - 3, 5, 1, 7] + [1] * 18
+    cache = LexCache(model.config)
+    logits = read(model, ids, calls, cache)
+    assert [layer.memory is not None for layer in cache.layers] == [not local for local in model.config.local_layers]
+    assert cache.layers[1].memory.length == cache.seen - cache.held > BLOCKS * BLOCK
+    assert_reference(model, ids, as_read(calls), logits)
+    out = greedy(model, ids[:, :2 * W], max_new_tokens=W + 4)
+    expected = reference.memory_forward(model.state_dict(), model.config, out.sequences[0, :-1],
+                                        as_read([2 * W]) + [1] * (W + 3))
+    assert torch.equal(out.sequences[0, 2 * W :], expected[2 * W - 1 :].argmax(-1))
+
+
+def test_lex_commands_read_a_gemma3_folder_with_a_memory(tmp_path, capsys):
+    """As a user would: `lex convert-hf` a Gemma 3 folder with `--attention_memory_blocks`, `lex generate` the LEX
+    folder, and `lex eval-length` the Gemma 3 folder converted in memory with and without the memory: the tokens
+    and the perplexity are the float64 reference's."""
+    source = gemma3_source(bos_token_id=None, eos_token_id=None)
+    source.save_pretrained(tmp_path / "gemma3")
+    tokenizer, words = word_tokenizer()
+    tokenizer.save_pretrained(tmp_path / "gemma3")
+    reading = ["--attention_mode", "sliding", "--attention_window", str(W), "--attention_sinks", "4",
+               "--attention_memory_block_size", str(BLOCK)]
+    assert lex(["convert-hf", str(tmp_path / "gemma3"), str(tmp_path / "lex"), *reading,
+                "--attention_memory_blocks", str(BLOCKS)]) == 0
+    model = LexForCausalLM.from_pretrained(tmp_path / "lex").eval()
+    assert model.config.local_layers == [kind == "sliding_attention" for kind in GEMMA3_LAYERS]
+    assert model.config.attention_memory_blocks == BLOCKS
+    text = " ".join(words[(7 * i) % 96] for i in range(3 * W))
+    (tmp_path / "prompt.txt").write_text(text)
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    capsys.readouterr()
+    assert lex(["generate", str(tmp_path / "lex"), "--prompt_file", str(tmp_path / "prompt.txt"),
+                "--max_new_tokens", "12"]) == 0
+    sequence = ids[0]
+    for step in range(12):
+        expected = reference.memory_forward(model.state_dict(), model.config, sequence,
+                                            as_read([ids.shape[1]]) + [1] * step)
+        sequence = torch.cat([sequence, expected[-1:].argmax(-1)])
+    assert capsys.readouterr().out.split() == tokenizer.decode(sequence[ids.shape[1] :]).split()
+
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "doc.txt").write_text(" ".join(words[(5 * i + 3) % 96] for i in range(4 * W)))
+    assert lex(["eval-length", str(tmp_path / "gemma3"), "--files", str(tmp_path / "docs" / "doc.txt"), *reading,
+                "--attention_modes", "sliding", "--attention_memory_blocks", f"0,{BLOCKS}", "--lengths", str(4 * W),
+                "--protocols", "segments", "--output_dir", str(tmp_path / "eval")]) == 0
+    rows = {row["attention_memory_blocks"]: row["ppl"]
+            for row in json.loads((tmp_path / "eval" / "results.json").read_text())}
+    document = torch.tensor(tokenizer((tmp_path / "docs" / "doc.txt").read_text()).input_ids[: 4 * W])
+    spans = model.reading_spans(4 * W)
+    expected = reference.memory_forward(model.state_dict(), model.config, document, [b - a for a, b in spans])
+    nll = torch.nn.functional.cross_entropy(expected[:-1], document[1:])
+    assert rows[BLOCKS] == pytest.approx(math.exp(float(nll)), rel=1e-5)
+    assert rows[0] != pytest.approx(rows[BLOCKS], rel=1e-3)
+
+
+@pytest.mark.parametrize("mode, window, allowed", [("sliding", 10, 12), ("blockwise", 16, 22)])
+def test_a_memory_whose_global_window_misses_what_local_layers_read_is_refused(mode, window, allowed):
+    """The memory takes the keys that leave the global layers' window: a local window reaching past it (12 here)
+    would leave the global layers a gap between the memory and the window, so the config is refused by name."""
+    with pytest.raises(Exception, match=f"attention_window={window} .*local_attention_window=12.*attention_window >= "
+                                        f"{allowed}"):
+        lex_from_hf(gemma3_source(local_window=12), attention_mode=mode, attention_window=window,
+                    attention_memory_blocks=BLOCKS, attention_memory_block_size=BLOCK)
 
 
 def test_saved_folder_keeps_the_memory(tmp_path):
