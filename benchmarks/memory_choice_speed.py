@@ -18,7 +18,8 @@ import torch
 
 from common import write_output
 
-from modeling_lex.memory import block_scores, choose_blocks, representative_count
+from modeling_lex.memory import block_scores, choose_blocks
+from modeling_lex.reading import ReadingPolicy
 
 
 def milliseconds(call, calls: int) -> float:
@@ -35,8 +36,8 @@ def one_context(args, context: int) -> dict:
     block = args.memory_block_size
     blocks = (context - args.window - args.sinks) // block
     generator = torch.Generator().manual_seed(context)
-    representatives = torch.randn(1, args.kv_heads, representative_count(block), blocks, args.head_dim,
-                                  generator=generator)
+    policy = ReadingPolicy("sliding", args.window, args.sinks, "cache", args.memory_blocks, block)
+    representatives = torch.randn(1, args.kv_heads, policy.representatives, blocks, args.head_dim, generator=generator)
     query = torch.randn(1, args.heads, 1, args.head_dim, generator=generator) * args.head_dim**-0.5
     candidates = torch.ones(1, blocks, dtype=torch.bool)
     scores = block_scores(query, representatives, candidates)

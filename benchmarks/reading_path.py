@@ -89,8 +89,9 @@ def trace_one_step(args: argparse.Namespace) -> dict:
     ids = torch.randint(0, model.config.vocab_size, (1, args.context + args.memory_block_size + 1))
     model(ids[:, : args.context], cache=cache)
     step = args.context
-    # to a step that chooses (a block completed at the token before it) or to one that does not
-    while ((step % args.memory_block_size) == 0) != args.choosing:
+    # to a step that chooses (the evicted tokens completed a block at the step before it: the memory has a block
+    # more than at the last choice) or to one that does not
+    while ((cache.seen - cache.held) % args.memory_block_size == 0) != args.choosing:
         model(ids[:, step : step + 1], cache=cache)
         step += 1
     trace = Trace()

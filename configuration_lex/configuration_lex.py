@@ -22,7 +22,6 @@ HIDDEN_ACTS, NORM_TYPES, MLP_TYPES, ROPE_TYPES, ABSOLUTE_POSITION_EMBEDDINGS and
 them; CLI choices and converters import those.
 """
 
-import copy
 from typing import Literal, get_args
 
 from huggingface_hub.dataclasses import strict
@@ -346,17 +345,6 @@ class LexConfig(PreTrainedConfig):
                     f"LexConfig.{field}['partial_rotary_factor']={rope['partial_rotary_factor']}"
                     " is not supported: LEX rotates every dimension of a head (allowed: 1.0)"
                 )
-
-    def local_view(self) -> "LexConfig":
-        """What a local layer computes by (`local_layers`): this config in sliding mode over
-        `local_attention_window`, without sinks or a block memory, with `local_rope_parameters` (or the global
-        rope)."""
-        view = copy.deepcopy(self)
-        view.attention_mode, view.attention_window, view.attention_sinks = "sliding", self.local_attention_window, 0
-        view.attention_memory_blocks = 0
-        view.rope_parameters = dict(self.local_rope_parameters or self.rope_parameters)
-        view.local_layers = view.local_attention_window = view.local_rope_parameters = None
-        return view
 
 
 __all__ = [

@@ -15,7 +15,7 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from modeling_lex.kernels import eager_attention_forward
-from modeling_lex.xpos import inverse_frequencies, xpos_zeta
+from modeling_lex.positions import inverse_frequencies, xpos_zeta
 
 from .data import DataError, tokenized_documents
 

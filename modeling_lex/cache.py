@@ -12,13 +12,14 @@ followed by its window part; between forwards that is at most
   - sliding: S + the last w - 1;
   - full: everything (the ordinary unbounded cache; no sink slots).
 The bookkeeping (documents, positions, what to keep, rollback) is `stream.Stream`'s: each forward's record
-(record.py) says what the layers keep. A cache's state changes in one place: a forward runs its layers inside `with
-cache.forward(record):`, where each layer's `read(key, value, layer_idx, request, query)` returns what attention
-reads (its span and, with a block memory, the blocks its queries choose) and changes nothing held (`update`,
-transformers' name, is the same read without the block memory), and when the block ends every layer keeps what the
-record says and the stream moves on; if the forward raises, every layer drops what it read. So a forward that raises
-leaves the cache as it was, and reading `keys`/`values` changes nothing. Both caches share that contract
-(`LexCacheSteps`):
+(stream.py) says what the layers keep, by the reading policy's rules. A cache's state changes in one place: a
+forward runs its layers inside `with cache.step(record):`, where each layer's `update(key, value, layer_idx,
+request)` returns what attention reads (its span) and changes nothing held, and when the block ends every layer
+keeps what the record says (the keys it evicts go to its block memory, memory.py, with the choice the layer's
+attention recalled from it) and the stream moves on; if the forward raises, every layer and memory drops what it
+read. So a forward that raises leaves the cache as it was, and reading `keys`/`values` changes nothing. No query
+enters the cache: attention asks a layer's memory (`cache.layers[i].memory.recall`). Both caches share that
+contract (`LexCacheSteps`):
 
 - `LexCache` (generate()'s default) grows and shrinks. While recording the past (assisted and prompt-lookup
   decoding) it also holds the tokens a later `crop` may remove: those read since the last crop whose logits the
@@ -38,11 +39,10 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer, StaticCache
 
 from .generation import init_cache_layers
-from .memory import BlockMemory, Choice, Evidence, MemoryStep
-from .record import CacheRequest, ForwardRecord
-from .stream import Stream, _mark_static
-from .visibility import memory_piece, memory_tokens, sink_count
-from .xpos import apply_rotary
+from .memory import BlockMemory, Evidence, MemoryStep, OpenStep
+from .reading import CacheRequest, ReadingPolicy
+from .stream import ForwardRecord, Stream, _mark_static
+from .positions import apply_rotary
 
 
 def _gather_columns(x: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
@@ -173,10 +173,10 @@ class LexCacheLayer(DynamicLayer):
             buffer[:, :, begin - count : begin] = front
         return buffer[:, :, begin - count : stop]
 
-    def commit(self, record: ForwardRecord, choice: Choice | None = None) -> None:
+    def commit(self, record: ForwardRecord) -> None:
         """Hold what the record says: the sink slots' new contents (taken from the raw keys the forward read, sink
         slots first), then the last `keep` keys of the window part with the forward's new keys; with a block
-        memory, the keys the window part drops and the `choice` the layer read."""
+        memory, the keys the window part drops (and the memory holds the choice the layer read)."""
         if not self.is_initialized:
             return
         request = self._request
@@ -201,7 +201,7 @@ class LexCacheLayer(DynamicLayer):
             self._hold(which, buffer, first, end, sinks, rewrite)
         self._request = None
         if self.memory is not None:
-            self.memory.commit(choice, tuple(evicted))
+            self.memory.commit(tuple(evicted))
 
     def _hold(self, which: int, buffer: torch.Tensor, first: int, end: int, sinks: torch.Tensor | None,
               rewrite: bool) -> None:
@@ -230,6 +230,8 @@ class LexCacheLayer(DynamicLayer):
             buffer, begin, _ = self._window[0]
             buffer[:, :, begin - self._slots(0) : begin] = self._sinks[0]
         self._joined, self._request = [None, None], None
+        if self.memory is not None:
+            self.memory.discard()
 
     def keep_window(self, keep: int, sink_source: torch.Tensor | None = None) -> None:
         """Hold only the last `keep` keys of the window part (a crop), the sink slots taken from `sink_source`
@@ -265,14 +267,15 @@ class LexCacheLayer(DynamicLayer):
 
 
 class LexCacheSteps:
-    """One forward's step, the same for both LEX caches: `forward(record)` opens it, each layer's `read` reads,
-    and the step's end commits (or, if the forward raised, discards) in every layer and in the stream."""
+    """One forward's step, the same for both LEX caches: `step(record)` opens it, each layer's `update` returns what
+    attention reads, and the step's end commits (or, if the forward raised, discards) in every layer and in the
+    stream."""
 
     layers: list
     stream: Stream
 
     @contextlib.contextmanager
-    def forward(self, record: ForwardRecord) -> Iterator[None]:
+    def step(self, record: ForwardRecord) -> Iterator[None]:
         """Run one forward's layers inside: when the block ends every layer holds what `record` says and the stream
         moves to `record.stream_after`; if it raises, every layer drops what it read and the cache is as it was."""
         self._open(record)
@@ -283,46 +286,22 @@ class LexCacheSteps:
                 layer.discard()
             self._close()
             raise
-        self._commit_layers(record)
+        for layer in self.layers:
+            layer.commit(record)
         self.stream.commit(record)
         self._close(record)
 
-    def read(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, request: CacheRequest,
-             query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """What layer `layer_idx` of the forward open now attends to, for the plan's `request`: the keys and values
-        of its span (sink slots first, the new ones last) and, with a block memory, the blocks its queries (B, Hq, T,
-        d, before positions) choose, keys in the memory's frame (`CacheRequest.memory_frame`; None: no memory to
-        read).
-        What the layer holds changes when the forward's step ends."""
-        layer = self.layers[layer_idx]
-        keys, values = layer.update(key_states, value_states, request)
-        return keys, values, self._recall(layer_idx, query, request)
-
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                request: CacheRequest | None = None, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        """transformers' name for `read` without the block memory: the keys and values of the span."""
+        """What layer `layer_idx` of the forward open now attends to, for the plan's `request`: the keys and values
+        of its span (sink slots first, the new ones last). What the layer holds changes when the step ends."""
         return self.layers[layer_idx].update(key_states, value_states, request or CacheRequest())
-
-    def _recall(self, layer_idx: int, query: torch.Tensor, request: CacheRequest
-                ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The block memory's blocks a layer reads (none in a cache without one)."""
-        return None
-
-    def _commit_layers(self, record: ForwardRecord) -> None:
-        for layer in self.layers:
-            layer.commit(record)
 
     def _open(self, record: ForwardRecord) -> None:
         """What the cache keeps for the length of one forward (nothing, but for the block memory's evidence)."""
 
     def _close(self, record: ForwardRecord | None = None) -> None:
         """The forward's step ended: committed (`record`) or discarded (None)."""
-
-
-def forward_step(cache: Cache | None, record: ForwardRecord) -> contextlib.AbstractContextManager:
-    """The step of one forward through `cache`: a LEX cache's `forward(record)`; nothing to open for any other
-    cache (transformers' own store at `update`) or none."""
-    return cache.forward(record) if isinstance(cache, LexCacheSteps) else contextlib.nullcontext()
 
 
 class LexCache(LexCacheSteps, DynamicCache):
@@ -337,22 +316,21 @@ class LexCache(LexCacheSteps, DynamicCache):
         """`memory_directory`: with a block memory (`attention_memory_blocks`), keep its keys and values in
         memory-mapped files there instead of RAM (the blocks' representatives stay in RAM: memory.py)."""
         self.config, self.memory_directory = config, memory_directory
+        self.policy = ReadingPolicy.of(config)
+        self._open_step = OpenStep()  # the forward open now, which every layer's memory reads
         init_cache_layers(self, [LexCacheLayer(self._memory(index)) for index in range(config.num_hidden_layers)])
-        self.stream = Stream(config)
+        self.stream = Stream(self.policy)
         # (B, blocks then): what the last forward that chose blocks found, one layer's worth; None before one
         self.memory_evidence: torch.Tensor | None = None
-        self._step: MemoryStep | None = None  # what the forward open now gathers from the block memory
         self.drafted_tokens = 0  # activate_past_recording's recurrent_states_to_keep
 
     def _memory(self, layer_idx: int) -> BlockMemory | None:
         """Layer `layer_idx`'s block memory, or None: without one, and in local layers (`local_layers`), which keep
         their own window."""
         local = self.config.local_layers is not None and self.config.local_layers[layer_idx]
-        if not memory_tokens(self.config) or local:
+        if not self.policy.memory_tokens or local:
             return None
-        config = self.config
-        return BlockMemory(config.attention_memory_block_size, config.attention_memory_blocks, memory_piece(config),
-                           config.attention_scaling, self.memory_directory)
+        return BlockMemory(self.policy, self.config.attention_scaling, self._open_step, self.memory_directory)
 
     @property
     def memory_bytes(self) -> int:
@@ -367,9 +345,9 @@ class LexCache(LexCacheSteps, DynamicCache):
                 layer.memory.reserve(tokens)
 
     def _refuse_with_memory(self, what: str) -> None:
-        if memory_tokens(self.config):
+        if self.policy.memory_tokens:
             raise ValueError(
-                f"LexCache.{what} with attention_memory_blocks={self.config.attention_memory_blocks}: the block memory "
+                f"LexCache.{what} with attention_memory_blocks={self.policy.memory_blocks}: the block memory "
                 "keeps evicted keys for good and reads per forward, so a rollback (assisted or prompt-lookup "
                 "decoding) cannot be exact; decode without a draft, or set attention_memory_blocks=0"
             )
@@ -391,36 +369,21 @@ class LexCache(LexCacheSteps, DynamicCache):
         return self.stream.sink_slots + self.held + query_length, self.seen - self.held
 
     def _open(self, record: ForwardRecord) -> None:
-        """A forward that reads the block memory starts its evidence from what the last one that chose found."""
-        read = record.memory
-        if read is None:
-            return
-        carried = torch.zeros(read.candidates.shape, device=read.candidates.device)
-        if self.memory_evidence is not None:  # (blocks complete since then: nothing carried)
-            carried[:, : self.memory_evidence.shape[1]] = self.memory_evidence
-        self._step = MemoryStep(read, Evidence(carried))
-
-    def _recall(self, layer_idx: int, query: torch.Tensor, request: CacheRequest
-                ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The blocks layer `layer_idx`'s queries choose, by the evidence of the layers before it; the choice is
-        the forward step's until it commits."""
-        step, memory = self._step, self.layers[layer_idx].memory
-        if step is None or memory is None:
-            return None
-        choice = memory.read(query, step.read, step.evidence, request.memory_frame)
-        step.choices[layer_idx] = choice
-        return choice.keys, choice.values
-
-    def _commit_layers(self, record: ForwardRecord) -> None:
-        choices = {} if self._step is None else self._step.choices
-        for index, layer in enumerate(self.layers):
-            layer.commit(record, choices.get(index))
+        """A forward that reads the block memory starts its evidence from what the last one that chose found; its
+        layers' memories read it (`OpenStep`) until the step ends."""
+        read, step = record.context.memory, None
+        if read is not None:
+            carried = torch.zeros(read.candidates.shape, device=read.candidates.device)
+            if self.memory_evidence is not None:  # (blocks complete since then: nothing carried)
+                carried[:, : self.memory_evidence.shape[1]] = self.memory_evidence
+            step = MemoryStep(read, Evidence(carried))
+        self._open_step.step = step
 
     def _close(self, record: ForwardRecord | None = None) -> None:
-        found = None if record is None or self._step is None else self._step.evidence.found()
+        step, self._open_step.step = self._open_step.step, None
+        found = None if record is None or step is None else step.evidence.found()
         if found is not None:  # a forward that chose: what it found is what the next one starts from
             self.memory_evidence = found
-        self._step = None
 
     def _apply_to_rows(self, function: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Beam reordering and batch selection of what the cache holds besides its layers."""
@@ -431,7 +394,7 @@ class LexCache(LexCacheSteps, DynamicCache):
     @property
     def is_croppable(self) -> bool:
         """Whether any rollback generate() may ask for leaves no trace: in full mode, or while recording."""
-        return self.config.attention_mode == "full" or self.stream.record_past
+        return self.policy.mode == "full" or self.stream.record_past
 
     def activate_past_recording(self, recurrent_states_to_keep: int | None = None) -> None:
         """Hold what later forwards read until `crop` (generate() calls this for assisted decoding and prompt lookup).
@@ -502,7 +465,7 @@ class LexCache(LexCacheSteps, DynamicCache):
         for index, layer in enumerate(self.layers):
             layer.memory = self._memory(index)
         record = self.stream.record_past
-        self.stream = Stream(self.config)
+        self.stream = Stream(self.policy)
         self.stream.record_past = record
         self.memory_evidence = None
 
@@ -512,6 +475,7 @@ class LexStaticLayer(CacheLayerMixin):
 
     is_compileable = True
     is_sliding = False
+    memory = None  # (a static cache holds no block memory)
 
     def __init__(self, window_slots: int, sink_slots: int) -> None:
         super().__init__()
@@ -578,26 +542,27 @@ class LexStaticCache(LexCacheSteps, StaticCache):
     """
 
     def __init__(self, config, max_cache_len: int | None = None) -> None:
-        if memory_tokens(config):
+        policy = ReadingPolicy.of(config)
+        if policy.memory_tokens:
             raise ValueError(
-                f"LexStaticCache with attention_memory_blocks={config.attention_memory_blocks}: a block memory grows "
+                f"LexStaticCache with attention_memory_blocks={policy.memory_blocks}: a block memory grows "
                 "with the document, which fixed shapes cannot hold; use LexCache (generate()'s default cache, "
                 "cache_implementation=None), or attention_memory_blocks=0"
             )
-        sink_slots = sink_count(config)
-        if config.attention_mode == "full":
+        sink_slots = policy.sinks
+        if policy.mode == "full":
             if max_cache_len is None:
                 raise ValueError("LexStaticCache in attention_mode='full' needs max_cache_len (the longest stream)")
             window_slots = max_cache_len
         else:
             # (local layers read their own window from the same slots: the wider of the two)
-            window_slots = max(config.attention_window, config.local_attention_window or 0) - 1
+            window_slots = max(policy.window, policy.local_window or 0) - 1
             if max_cache_len is not None and max_cache_len <= sink_slots + window_slots:
                 window_slots, sink_slots = max_cache_len, 0
         init_cache_layers(self, [LexStaticLayer(window_slots, sink_slots) for _ in range(config.num_hidden_layers)])
-        self.config = config
+        self.config, self.policy = config, policy
         self.window_slots, self.sink_slots = window_slots, sink_slots
-        self.stream = Stream(config, window_slots=window_slots, sinks=sink_slots, static=True)
+        self.stream = Stream(policy, window_slots=window_slots, sinks=sink_slots, static=True)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return int(self.stream.seen)
@@ -611,10 +576,10 @@ class LexStaticCache(LexCacheSteps, StaticCache):
 
     def reset(self) -> None:
         super().reset()
-        self.stream = Stream(self.config, window_slots=self.window_slots, sinks=self.sink_slots, static=True)
+        self.stream = Stream(self.policy, window_slots=self.window_slots, sinks=self.sink_slots, static=True)
 
 
 LEX_CACHES = (LexCache, LexStaticCache)
 
 
-__all__ = ["LEX_CACHES", "LexCache", "LexCacheSteps", "LexStaticCache", "forward_step"]
+__all__ = ["LEX_CACHES", "LexCache", "LexCacheSteps", "LexStaticCache"]

@@ -8,7 +8,7 @@ What changed inside the range, and how this module absorbs it:
 - 5.24 renamed the cache argument and output field `past_key_values` to `cache` (its models and
   `GenerationMixin` accept the old name through `deprecate_kwarg`). `CACHE_NAME` is the installed version's
   name, read off its output classes; `accepts_both_cache_names` lets a forward take either name, as
-  transformers' own Llama does; `cache_field` names the cache of an output the way the installed version reads it.
+  transformers' own Llama does; an output names its cache `CACHE_NAME`.
 - 5.25's generate() passes `recurrent_states_to_keep` (the drafted tokens per step) to
   `Cache.activate_past_recording` and reads it back with `get_recurrent_states_to_keep`: LexCache takes both
   (cache.py says what the count means for a bounded cache). 5.25 also kernelizes every model `from_pretrained`
@@ -79,11 +79,6 @@ def accepts_both_cache_names(forward: Callable) -> Callable:
     return renamed
 
 
-def cache_field(cache: Cache | None) -> dict:
-    """The cache as an output's keyword, under the installed transformers' name (`Output(**cache_field(c))`)."""
-    return {CACHE_NAME: cache}
-
-
 def init_cache_layers(cache: Cache, layers: list) -> None:
     """Set up a LEX cache with its own layers (DynamicCache's and StaticCache's constructors would build
     transformers' layers from the config)."""
@@ -149,6 +144,6 @@ class LexGenerationMixin:
 
 
 __all__ = [
-    "CACHE_NAME", "TESTED_TRANSFORMERS", "LexGenerationMixin", "accepts_both_cache_names", "cache_field",
+    "CACHE_NAME", "TESTED_TRANSFORMERS", "LexGenerationMixin", "accepts_both_cache_names",
     "init_cache_layers", "warn_if_untested",
 ]

@@ -1,4 +1,4 @@
-"""The attention kernels: each layer's q, k, v run through the forward's plan (masking.py), tile by tile, on the
+"""The attention kernels: each layer's q, k, v run through the forward's plan (reading.py), tile by tile, on the
 attention backend transformers selects (eager, sdpa, ...), with the reference eager computation beside them. A
 decoding step with the block memory meets the memory's keys with a second encoding of its query, which no backend
 takes: it is the one eager computation of its own here (`_one_query_and_the_memory`).
@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
-from .masking import AttentionPlan, Tile
-from .xpos import apply_rotary, inverse_rotation
+from .reading import AttentionPlan, Tile
+from .positions import apply_rotary, inverse_rotation
 
 
 def eager_attention_forward(

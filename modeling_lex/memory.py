@@ -8,12 +8,13 @@ benchmarks/journal/, not here.
 
 In short: keys and values that leave a LexCache's window part are appended here in stream order, without positions
 (RoPE keys rotated back to position 0: `CacheRequest.memory_unrotate`), in blocks of b =
-`attention_memory_block_size`, each complete block with `representative_count(b)` representative keys (its keys of
-largest norm). Each layer with a memory (every layer but Gemma's local ones) scores the candidate blocks
+`attention_memory_block_size`, each complete block with `ReadingPolicy.representatives` representative keys (its
+keys of largest norm). Each layer with a memory (every layer but Gemma's local ones) scores the candidate blocks
 (`MemoryRead.candidates`) for the forward's choosing queries (`choosing_queries`), adds the score to the forward's
 `Evidence` (the layers below it, and what the last forward that chose found) and reads the blocks `choose_blocks` picks by it, in the slots `placed` orders. The forward's
-`MemoryStep` keeps the evidence and each layer's `Choice`; a choice, like everything a forward reads, is held only
-when the forward commits.
+`MemoryStep` (what it may read, the evidence) is shared by its layers through the cache's `OpenStep`, set when the
+forward's step opens; attention asks the layer's memory for its blocks (`recall`), and a choice, like everything a
+forward reads, is held only when the forward commits (`commit`; `discard` if it raised).
 
 The store grows with the document by its keys' and values' bytes (the model's dtype) plus the representatives (a
 quarter of each block's keys); attention per token stays O(S + k*b + w), and choosing reads the representatives of
@@ -26,20 +27,21 @@ RAM); the representatives, which every choice reads whole, stay in RAM.
 import os
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .record import MemoryRead
-from .xpos import apply_rotary
+from .positions import apply_rotary
+from .reading import MemoryRead, ReadingPolicy
 
 
-def readable_blocks(config, evicted_valid: torch.Tensor, document: torch.Tensor, sinks: int) -> MemoryRead | None:
+def readable_blocks(policy: ReadingPolicy, evicted_valid: torch.Tensor, document: torch.Tensor
+                    ) -> MemoryRead | None:
     """What a forward reads of the block memory, from whether each evicted token is real (`evicted_valid` (B, E)):
-    the complete blocks, all real and after the `sinks` sinks of the document of the forward's last query (which
-    starts at `document`, (B,)), and the slots they fill; None where no row has a candidate."""
-    slots, block = config.attention_memory_blocks, config.attention_memory_block_size
+    the complete blocks, all real and after the sinks of the document of the forward's last query (which starts at
+    `document`, (B,)), and the slots they fill; None where no row has a candidate."""
+    slots, block, sinks = policy.memory_blocks, policy.memory_block_size, policy.sinks
     blocks = evicted_valid.shape[1] // block
     if blocks == 0:
         return None
@@ -51,11 +53,6 @@ def readable_blocks(config, evicted_valid: torch.Tensor, document: torch.Tensor,
         return None
     filled = torch.arange(slots, device=document.device)[None, :] >= slots - count[:, None]
     return MemoryRead(candidates, filled.repeat_interleave(block, dim=1), document)
-
-
-def representative_count(block: int) -> int:
-    """Representative keys per block of `block` tokens and key/value head: a quarter of them, at least one."""
-    return max(1, block // 4)
 
 
 def _allocate(like: torch.Tensor, shape: tuple[int, ...], directory: str | None) -> torch.Tensor:
@@ -92,12 +89,12 @@ def _grown(buffer: torch.Tensor | None, like: torch.Tensor, used: int, needed: i
     return grown
 
 
-def block_representatives(keys: torch.Tensor, block: int) -> torch.Tensor:
-    """(B, H, n*block, d) keys -> (B, H, r, n, d), r = representative_count(block): each block's keys of largest
-    norm, the i-th of every block in one row i (so that a block's best logit is the elementwise max of r rows of
-    logits, `block_scores`)."""
+def block_representatives(keys: torch.Tensor, block: int, count: int) -> torch.Tensor:
+    """(B, H, n*block, d) keys -> (B, H, count, n, d): each block's `count` keys of largest norm, the i-th of every
+    block in one row i (so that a block's best logit is the elementwise max of `count` rows of logits,
+    `block_scores`)."""
     blocks = keys.unflatten(2, (-1, block))
-    top = blocks.norm(dim=-1).topk(representative_count(block), dim=-1).indices
+    top = blocks.norm(dim=-1).topk(count, dim=-1).indices
     return blocks.gather(3, top[..., None].expand(*top.shape, keys.shape[-1])).transpose(2, 3)
 
 
@@ -141,16 +138,18 @@ def _best(scores: torch.Tensor, count: int) -> torch.Tensor:
     return scores.new_zeros((*scores.shape[:-1], count + 1), dtype=torch.long).scatter_(-1, slot, index)[..., :count]
 
 
-def choose_blocks(scores: torch.Tensor, slots: int) -> torch.Tensor:
+def choose_blocks(scores: torch.Tensor, slots: int, centres: int | None = None) -> torch.Tensor:
     """Which blocks a row reads (one layer, its heads together): scores (..., n), -inf where a block is no candidate ->
     block indices (..., slots) in the order the slots read them (`placed`), -1 (first) where fewer candidates than
     slots.
 
-    The best floor(slots / 3) blocks, each with the candidates beside it, so that a passage cut by a block boundary
-    is read whole and in its context; the slots left, the best of the rest (of equal scores, always the later
-    block)."""
+    The best `centres` blocks (None: floor(slots / `ReadingPolicy.centre_divisor`)), each with the candidates beside
+    it, so that a passage cut by a block boundary is read whole and in its context; the slots left, the best of the
+    rest (of equal scores, always the later block)."""
     n = scores.shape[-1]
-    centres = _best(scores, min(slots // 3, n))
+    if centres is None:
+        centres = slots // ReadingPolicy.centre_divisor
+    centres = _best(scores, min(centres, n))
     beside = (centres[..., None] + torch.arange(0, 3, device=scores.device)).flatten(-2)  # in `padded`: -1, 0, +1
     padded = nn.functional.pad(scores, (1, 1), value=-torch.inf)  # (no candidate before the first, after the last)
     near = padded.gather(-1, beside)
@@ -179,7 +178,7 @@ def placed(chosen: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
 
 def choosing_queries(query: torch.Tensor, piece: int, block: int) -> torch.Tensor:
     """The queries (B, Hq, T, d) -> (B, Hq, m, d) that choose a forward's blocks: all of a forward of at most
-    `piece` tokens (p, `visibility.memory_piece`), else `block` (b) spread over it (every ceil(T / b)-th, ending at
+    `piece` tokens (p, `ReadingPolicy.piece`), else `block` (b) spread over it (every ceil(T / b)-th, ending at
     its last)."""
     length = query.shape[2]
     chooser = length if length <= piece else block
@@ -223,29 +222,37 @@ class Choice:
         return Choice(function(self.blocks), self.among, function(self.keys), function(self.values))
 
 
-@dataclass
+@dataclass(frozen=True)
 class MemoryStep:
-    """What one forward gathers from the block memory, kept by the cache for the length of the forward's step:
-    what it may read, the evidence its layers add to one after the other, and each layer's new choice, which the
-    layer's memory holds only when the step commits."""
+    """What one forward reads of the block memory, shared by its layers for the length of the forward's step: what
+    it may read, and the evidence its layers add to one after the other."""
 
     read: MemoryRead
     evidence: Evidence
-    choices: dict[int, Choice] = field(default_factory=dict)  # layer index -> the choice it made
+
+
+class OpenStep:
+    """The forward open now, shared by every layer's memory of one cache: its `MemoryStep`, None between forwards
+    and in a forward that reads nothing of the memory. The cache sets it when a forward's step opens and ends."""
+
+    step: MemoryStep | None = None
 
 
 class BlockMemory:
     """One layer's evicted keys and values (raw, stream order), their blocks' representatives and the last choice.
     What it holds changes at `commit` only."""
 
-    def __init__(self, block: int, slots: int, piece: int, scaling: float, directory: str | None = None) -> None:
-        """Blocks of `block` tokens, `slots` of them read; forwards of at most `piece` tokens choose with every
-        query (`choosing_queries`), scaled by `scaling` as attention scales them."""
-        self.block, self.slots, self.piece, self.scaling, self.directory = block, slots, piece, scaling, directory
+    def __init__(self, policy: ReadingPolicy, scaling: float, forward: OpenStep, directory: str | None = None) -> None:
+        """The policy's blocks and constants (`memory_block_size`, `memory_blocks` read, `piece`,
+        `representatives`, `centre_blocks`); queries scaled by `scaling` as attention scales them; `forward`: the
+        forward open now, shared with the cache's other layers."""
+        self.policy, self.scaling, self.forward, self.directory = policy, scaling, forward, directory
+        self.block, self.slots = policy.memory_block_size, policy.memory_blocks
         self.keys = self.values = self.representatives = None
         self.length = 0  # tokens held (E)
         self.reserved = 0  # tokens the store makes room for at its next growth (`reserve`)
         self.chosen: Choice | None = None  # what the last forward that chose read
+        self.pending: Choice | None = None  # what the forward open now read, held from `commit` on
 
     @property
     def blocks(self) -> int:
@@ -282,13 +289,25 @@ class BlockMemory:
         self.values[:, :, self.length : stop] = values.detach()
         self.length = stop
         if self.blocks > complete:
-            shape = (*keys.shape[:2], representative_count(self.block), 1, keys.shape[3])
+            shape = (*keys.shape[:2], self.policy.representatives, 1, keys.shape[3])
             if self.representatives is None or self.representatives.shape[3] < self.blocks:
                 self.representatives = _grown(self.representatives, keys.new_empty(shape), complete,
                                               max(self.blocks, self.reserved // self.block), 3, None,
                                               FIRST_TOKENS // self.block)
             span = self.keys[:, :, complete * self.block : self.blocks * self.block]
-            self.representatives[:, :, :, complete : self.blocks] = block_representatives(span, self.block)
+            self.representatives[:, :, :, complete : self.blocks] = block_representatives(
+                span, self.block, self.policy.representatives)
+
+    def recall(self, query: torch.Tensor, frame: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The blocks this layer's queries (B, Hq, T, d, before positions) read in the forward open now (`read`),
+        keys and values (B, H, k*block, d); None where the forward reads nothing of the memory. The choice is
+        staged: held from `commit` on, dropped by `discard`."""
+        step = self.forward.step
+        if step is None:
+            return None
+        self.pending = self.read(query, step.read, step.evidence, frame)
+        return self.pending.keys, self.pending.values
 
     def read(self, query: torch.Tensor, read: MemoryRead, evidence: Evidence,
              frame: torch.Tensor | None = None) -> Choice:
@@ -303,21 +322,27 @@ class BlockMemory:
         blocks = read.candidates.shape[1]
         chosen = self.chosen
         if query.shape[2] > 1 or chosen is None or blocks != chosen.among:
-            choosing = choosing_queries(query.detach(), self.piece, self.block) * self.scaling
+            choosing = choosing_queries(query.detach(), self.policy.piece, self.block) * self.scaling
             total = evidence.add(block_scores(choosing, self.representatives[:, :, :, :blocks], read.candidates))
-            picked = choose_blocks(torch.where(read.candidates, total, -torch.inf), self.slots)
+            picked = choose_blocks(torch.where(read.candidates, total, -torch.inf), self.slots,
+                                   self.policy.centre_blocks)
             keys = self._blocks(self.keys, picked)
             chosen = Choice(picked, blocks, keys if frame is None else apply_rotary(keys, frame),
                             self._blocks(self.values, picked))
         return chosen
 
-    def commit(self, choice: Choice | None, evicted: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """The forward completed: the `choice` it read, if any, is the one later steps read, and the keys and
-        values it `evicted` from the window part (B, H, n, d), if any, are held."""
-        if choice is not None:
-            self.chosen = choice
+    def commit(self, evicted: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """The forward completed: the choice it read, if any, is the one later steps read, and the keys and values
+        it `evicted` from the window part (B, H, n, d), if any, are held."""
+        if self.pending is not None:
+            self.chosen = self.pending
+        self.pending = None
         if evicted is not None:
             self.append(*evicted)
+
+    def discard(self) -> None:
+        """The forward raised: what it read is dropped; the memory holds what it held."""
+        self.pending = None
 
     def _blocks(self, held: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """held (B, H, capacity, d) at blocks chosen (B, k), -1 read as block 0 -> (B, H, k*block, d): whole blocks
@@ -339,6 +364,6 @@ class BlockMemory:
 
 
 __all__ = [
-    "BlockMemory", "Choice", "Evidence", "MemoryStep", "block_representatives", "block_scores", "choose_blocks",
-    "choosing_queries", "placed", "readable_blocks", "representative_count",
+    "BlockMemory", "Choice", "Evidence", "MemoryStep", "OpenStep", "block_representatives", "block_scores", "choose_blocks",
+    "choosing_queries", "placed", "readable_blocks",
 ]

@@ -4,12 +4,16 @@ Reads top to bottom: norm -> feed-forward -> attention -> layer -> model -> caus
 TorchScale's `DecoderLayer` (pre/post norm, subln, deepnorm), so TorchScale checkpoints convert without loss,
 with the modern backbone of the Llama family beside it (grouped-query attention, RMSNorm, a gated MLP, per-head
 q/k norms, layers without rotary; Gemma's norms, soft-capping and local layers), so Llama, Mistral, Qwen2, Qwen3,
-Phi-3, SmolLM3, Gemma 2 and Gemma 3 checkpoints do too. Beside
-it: position methods (`positions.py`, formulas in `xpos.py`), who sees whom (`visibility.py`), the stream's
-bookkeeping (`stream.py`), the bounded caches (`cache.py`), masks and the attention plan (`masking.py`), the
-attention kernels (`kernels.py`) and the generate() glue (`generation.py`).
+Phi-3, SmolLM3, Gemma 2 and Gemma 3 checkpoints do too.
+
+How a model reads is three components beside this file: the reading policy (`reading.py`: what each query sees,
+what a cache keeps, how a long input is split; the attention plan made from it), storage (`cache.py`, with the
+stream's bookkeeping in `stream.py`) and retrieval (`memory.py`, the block memory past the window). Attention reads
+as Llama's: project, encode positions (`positions.py`), `cache.update`, the layer's memory's `recall`, and the
+attention backend (`kernels.py`); `generation.py` owns the coupling to transformers' generate().
 """
 
+import contextlib
 import dataclasses
 import math
 
@@ -29,14 +33,13 @@ from transformers.utils.output_capturing import capture_outputs
 
 from configuration_lex.configuration_lex import LexConfig
 
-from .cache import LEX_CACHES, LexCache, LexCacheSteps, LexStaticCache, forward_step
-from .generation import CACHE_NAME, LexGenerationMixin, accepts_both_cache_names, cache_field
-from .inputs import begin_forward
+from .cache import LEX_CACHES, LexCache, LexCacheSteps, LexStaticCache
+from .stream import begin_forward
+from .generation import CACHE_NAME, LexGenerationMixin, accepts_both_cache_names
 from .kernels import eager_attention_forward, run_attention
-from .masking import AttentionPlan, build_plan
+from .reading import AttentionPlan, ReadingPolicy, build_plan
 from .positions import position_method
-from .visibility import memory_piece, memory_tokens
-from .xpos import encode_tokens, sinusoidal_embedding
+from .positions import encode_tokens, sinusoidal_embedding
 
 logger = logging.get_logger(__name__)
 ACTIVATIONS = {
@@ -176,7 +179,10 @@ class LexAttention(nn.Module):
         query, key, frame_query = encode_tokens(query, key, plan.token_factors, plan.query_turn)
         recalled = None
         if isinstance(cache, LexCacheSteps):
-            key, value, recalled = cache.read(key, value, self.layer_idx, plan.cache_request, raw_query)
+            key, value = cache.update(key, value, self.layer_idx, plan.cache_request)
+            memory = cache.layers[self.layer_idx].memory
+            if memory is not None:  # the blocks past the window this layer's queries choose
+                recalled = memory.recall(raw_query, plan.cache_request.memory_frame)
         elif cache is not None:  # a transformers cache: every key of the stream
             key, value = cache.update(key, value, self.layer_idx)
         dropout = self.config.attention_dropout if self.training else 0.0
@@ -288,9 +294,10 @@ class LexModel(LexPreTrainedModel):
         self.layers = nn.ModuleList([LexDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = make_norm(config, config.hidden_size) if config.normalize_before else None
         self.position_method = position_method(config)
-        # The local layers' view of the config (sliding over their own window, their own rope) and its positions.
-        self.local_config = config.local_view() if config.local_layers is not None else None
-        self.local_position_method = position_method(self.local_config) if self.local_config is not None else None
+        # The local layers' positions: their own rope (Gemma 3's), or the global one.
+        self.local_position_method = None
+        if config.local_layers is not None:
+            self.local_position_method = position_method(config, config.local_rope_parameters)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -358,39 +365,34 @@ class LexModel(LexPreTrainedModel):
             scored = hidden_states_to_keep if hidden_states_to_keep > 0 else length
             if scored < length:
                 cache.mark_removable(cache.seen + length - scored)
-        memory = memory_tokens(self.config) > 0
+        policy = self.policy
+        memory = policy.memory_tokens > 0
         wants_internals = kwargs.get("output_hidden_states") or kwargs.get("output_attentions")
-        long = in_spans and not wants_internals and (length > self.config.attention_window
+        long = in_spans and not wants_internals and (length > policy.window
                                                      or (memory and length > 1 and isinstance(cache, LexCache)))
         if long and cache is None and memory:  # the memory fills while the input is read
             outputs = self._read_in_spans(input_ids, inputs_embeds, attention_mask, position_ids,
-                                          LexCache(self.config), hidden_states_to_keep, **kwargs)
+                                          LexCache(self.config), hidden_states_to_keep, policy, **kwargs)
             if not use_cache:
                 outputs[CACHE_NAME] = None
             return outputs
         if long and isinstance(cache, LEX_CACHES):
             return self._read_in_spans(input_ids, inputs_embeds, attention_mask, position_ids, cache,
-                                       hidden_states_to_keep, **kwargs)
-        return self._read_once(input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache, **kwargs)
+                                       hidden_states_to_keep, policy, **kwargs)
+        return self._read_once(input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache, policy,
+                               **kwargs)
+
+    @property
+    def policy(self) -> ReadingPolicy:
+        """How this model reads (`ReadingPolicy.of(config)`): the config's reading fields as they are now, so that
+        setting one (`model.config.attention_window = 2048`) changes how the next forward reads."""
+        return ReadingPolicy.of(self.config)
 
     def reading_spans(self, length: int) -> list[tuple[int, int]]:
-        """The (start, stop) of each forward in which an input of `length` tokens is read through a LEX cache: w
-        tokens at a time; with a block memory, the w tokens before the last in pieces of p = max(b, w / 16)
-        (`memory_piece`; at most 16 forwards, whatever b), the last p / 4 of them in a forward of their own, and the
-        last token alone (see `_read_in_spans`)."""
-        window = self.config.attention_window
-        if not memory_tokens(self.config) or length == 1:
-            stops = set(range(window, length, window)) | {length}
-        else:
-            piece = memory_piece(self.config)
-            pieces_from = max(window, length - 1 - window)  # (a forward from token 0 to w evicts nothing first)
-            stops = set(range(window, pieces_from, window)) | set(range(pieces_from, length - 1, piece))
-            stops |= {length - 1, length}
-            tail = length - 1 - max(1, piece // 4)
-            if tail > pieces_from:
-                stops.add(tail)
-        stops = sorted(stops)
-        return list(zip([0] + stops[:-1], stops))
+        """The (start, stop) of each forward in which an input of `length` tokens is read through a LEX cache
+        (`ReadingPolicy.spans`: w tokens at a time; with a block memory, the last w in pieces, the last token alone;
+        see `_read_in_spans`)."""
+        return self.policy.spans(length)
 
     def _read_in_spans(
         self,
@@ -400,12 +402,13 @@ class LexModel(LexPreTrainedModel):
         position_ids: torch.LongTensor | None,
         cache: Cache,
         hidden_states_to_keep: int,
+        policy: ReadingPolicy,
         **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPast:
         """Run a long input through the bounded cache w tokens at a time, so activations stay O(w), not O(n).
 
         With a block memory, what the input ends with (a question about the document, as a rule) is read in pieces
-        (`reading_spans`), its last p / 4 tokens alone and its last token alone. A forward of T tokens retrieves
+        (`ReadingPolicy.spans`), its last p / 4 tokens alone and its last token alone. A forward of T tokens retrieves
         once, for b of its queries spread over it (memory.py; a piece for all of them): in a forward of w, the few
         of them that fall on the question choose among blocks by what the filler before it looks for, and its later
         queries have a gap of up to T - 1 keys between the memory (what the cache had evicted when the forward
@@ -423,7 +426,7 @@ class LexModel(LexPreTrainedModel):
         if isinstance(cache, LexCache):
             cache.reserve_memory(cache.seen + length)
         kept = []
-        for start, stop in self.reading_spans(length):
+        for start, stop in policy.spans(length):
             out = self._read_once(
                 None if input_ids is None else input_ids[:, start:stop],
                 None if attention_mask is None else attention_mask[:, start:stop],
@@ -431,11 +434,12 @@ class LexModel(LexPreTrainedModel):
                 cache,
                 None if inputs_embeds is None else inputs_embeds[:, start:stop],
                 True,
+                policy,
                 **kwargs,
             )
             if stop > keep_from:
                 kept.append(out.last_hidden_state[:, max(keep_from - start, 0) :])
-        return BaseModelOutputWithPast(last_hidden_state=torch.cat(kept, dim=1), **cache_field(cache))
+        return BaseModelOutputWithPast(last_hidden_state=torch.cat(kept, dim=1), **{CACHE_NAME: cache})
 
     def _read_once(
         self,
@@ -445,40 +449,43 @@ class LexModel(LexPreTrainedModel):
         cache: Cache | None,
         inputs_embeds: torch.FloatTensor | None,
         use_cache: bool | None,
+        policy: ReadingPolicy,
         **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPast:
-        """One forward over the whole input: its record, its plan, every layer inside the cache's step."""
+        """One forward over the whole input, read by `policy`: its record, its plan, every layer inside the cache's
+        step."""
         if use_cache and cache is None:
             cache = LexCache(self.config)
         reference = input_ids if input_ids is not None else inputs_embeds
-        if memory_tokens(self.config) and reference.shape[1] > self.config.attention_window:
+        if policy.memory_tokens and reference.shape[1] > policy.window:
             raise ValueError(
                 f"an input of {reference.shape[1]} tokens in one forward with attention_memory_blocks="
-                f"{self.config.attention_memory_blocks}: the block memory is read at most attention_window="
-                f"{self.config.attention_window} tokens at a time, through a LexCache (forward() reads longer inputs "
+                f"{policy.memory_blocks}: the block memory is read at most attention_window="
+                f"{policy.window} tokens at a time, through a LexCache (forward() reads longer inputs "
                 "so, without output_attentions or output_hidden_states)"
             )
-        record = begin_forward(self.config, *reference.shape[:2], self.embed_tokens.weight.device, attention_mask,
+        record = begin_forward(policy, *reference.shape[:2], self.embed_tokens.weight.device, attention_mask,
                                position_ids, cache)
         maps = kwargs.get("output_attentions", self.config.output_attentions)
-        plan = build_plan(self.config, self.position_method, record, self.embed_tokens.weight.dtype,
+        plan = build_plan(policy, self.position_method, record.context, self.embed_tokens.weight.dtype,
                           attention_maps=bool(maps))
         hidden_states = self.embed(input_ids, inputs_embeds, record.context.query_positions)
         rope_layers, local_layers = self.config.rope_layers, self.config.local_layers
         plans = {}  # (local, rotary) -> the plan of such layers, made once per forward
-        with forward_step(cache, record):  # the cache keeps what the record says once every layer ran
+        step = cache.step(record) if isinstance(cache, LexCacheSteps) else contextlib.nullcontext()
+        with step:  # a LEX cache keeps what the record says once every layer ran
             for index, layer in enumerate(self.layers):
                 kind = (local_layers is not None and local_layers[index], rope_layers is None or rope_layers[index])
                 if kind not in plans:
                     layer_plan = plan
                     if kind[0]:  # a local layer: its own window and rope over the same record
-                        layer_plan = build_plan(self.local_config, self.local_position_method, record,
+                        layer_plan = build_plan(policy.local(), self.local_position_method, record.context,
                                                 self.embed_tokens.weight.dtype, attention_maps=bool(maps))
                     plans[kind] = layer_plan if kind[1] else without_positions(layer_plan)
                 hidden_states = layer(hidden_states, plan=plans[kind], cache=cache, **kwargs)
         if self.norm is not None:
             hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **cache_field(cache))
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_NAME: cache})
 
 
 class LexForCausalLM(LexPreTrainedModel, LexGenerationMixin, GenerationMixin):
@@ -531,7 +538,7 @@ class LexForCausalLM(LexPreTrainedModel, LexGenerationMixin, GenerationMixin):
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            **cache_field(getattr(outputs, CACHE_NAME)),
+            **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )

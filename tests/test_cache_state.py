@@ -1,5 +1,5 @@
 """The cache's state has one owner: a forward begins (its record, nothing changed), each layer's `cache.update`
-returns what attention reads, and the end of `with cache.forward(record):` keeps what the record says. So a forward
+returns what attention reads, and the end of `with cache.step(record):` keeps what the record says. So a forward
 that raises leaves a cache exactly as it was, reading `keys`/`values` changes nothing, and attention never writes
 a tensor the cache returned."""
 

@@ -39,7 +39,7 @@ pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.oldest]
 def record_cache_size(model, cache: LexCache) -> list[int]:
     """After every forward's step through the cache (each prefill chunk, each step): the most any layer holds."""
     sizes = []
-    step = cache.forward
+    step = cache.step
 
     @contextlib.contextmanager
     def recorded(record):
@@ -47,7 +47,7 @@ def record_cache_size(model, cache: LexCache) -> list[int]:
             yield
         sizes.append(max(max(layer.keys.shape[2] for layer in cache.layers), cache.stream.positions.shape[1]))
 
-    cache.forward = recorded
+    cache.step = recorded
     return sizes
 
 

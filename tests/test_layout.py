@@ -9,26 +9,25 @@ PACKAGES = ("lex_base", "configuration_lex", "modeling_lex", "convert", "lex")
 # A module may import modules of its own layer or below, never above.
 LAYERS = {"lex_base": -1, "configuration_lex": 0, "modeling_lex": 1, "convert": 2, "lex": 3, "lex.metrics": 4,
           "lex.commands": 4, "lex.cli": 5}
-# The rooms of modeling_lex/, each importing only rooms before it: formulas, then who sees whom, one forward's
-# record and the shared terms, the block memory, the stream's bookkeeping, the generate() glue, the caches that
-# keep what a record says, the caller's inputs read into a record, the attention plan made from a record, the
-# kernels that run it, and the model file that reads top to bottom.
+# The rooms of modeling_lex/, each importing only rooms before it: position encodings, the reading policy and the
+# attention plan made from it, the block memory (retrieval), the stream's bookkeeping and one forward's record, the
+# generate() glue, the caches (storage), the kernels that run a plan, and the model file that reads top to bottom.
 MODEL_ROOMS = {
-    "modeling_lex.xpos": "position formulas (xPos, RoPE, ALiBi, KERPLE, Sandwich, sinusoidal)",
-    "modeling_lex.positions": "one class per position_embedding_type, in one registry",
-    "modeling_lex.visibility": "who sees whom: the window rule, the one sink rule, the chunk index map",
-    "modeling_lex.record": "one forward's frozen record and the typed request a layer hands its cache; the shared terms",
-    "modeling_lex.memory": "the block memory: which blocks a forward may read, the store, who chooses, the evidence",
-    "modeling_lex.stream": "the stream's bookkeeping: documents, positions, the keep policy, sink slots, rollback",
+    "modeling_lex.positions": "position formulas and one class per position_embedding_type, in one registry",
+    "modeling_lex.reading": "the reading policy (what a query sees, what a cache keeps, spans) and the attention plan",
+    "modeling_lex.memory": "retrieval: the block memory's store, its representatives, the choice and its evidence",
+    "modeling_lex.stream": "the stream's bookkeeping and one forward's record, made from the caller's inputs",
     "modeling_lex.generation": "every coupling to transformers' generate() loop, with the versions it targets",
-    "modeling_lex.cache": "the bounded caches: a forward's step, in which each layer reads and the step's end keeps",
-    "modeling_lex.inputs": "the caller's mask, position ids and cache checked and read into a forward's record",
-    "modeling_lex.masking": "the attention plan's tiles and masks: a pure function of a record",
+    "modeling_lex.cache": "storage: the bounded caches, a forward's step in which each layer's update stores",
     "modeling_lex.kernels": "the attention backends run over the plan's tiles, reading (never writing) the cache's keys",
     "modeling_lex.modeling_lex": "norm, MLP, attention, layer, model, causal-LM head; the Auto classes",
 }
-# Rooms that may change a cache's state; the plan and the kernels may import none of them.
-STATEFUL_ROOMS = ("modeling_lex.stream", "modeling_lex.memory", "modeling_lex.cache", "modeling_lex.inputs")
+# Rooms that hold or change state; the reading policy, the plan and the kernels import none of them.
+STATEFUL_ROOMS = ("modeling_lex.stream", "modeling_lex.memory", "modeling_lex.cache")
+# The config's reading fields: read by the reading policy alone (ReadingPolicy.of), every other room asks it.
+READING_FIELDS = {"attention_mode", "attention_window", "attention_sinks", "attention_sink_positions",
+                  "attention_memory_blocks", "attention_memory_block_size", "local_attention_window",
+                  "bca_block_length"}
 
 
 def module_name(path: Path) -> str:
@@ -84,13 +83,25 @@ def test_the_model_rooms_are_every_module_and_import_only_earlier_rooms():
     assert later == []
 
 
-def test_the_plan_and_the_kernels_import_no_room_that_holds_state():
-    """masking.py is a pure function of a forward's record: it imports the record, never the cache or the stream
-    (whose begin/commit and rollback change what a cache holds), and neither do the kernels."""
+def test_the_policy_the_plan_and_the_kernels_import_no_room_that_holds_state():
+    """reading.py (the policy and the plan, a pure function of what a forward reads) imports neither the cache, the
+    stream nor the memory (whose steps change what a cache holds), and neither do the kernels."""
     edges = graph()
-    for room in ("modeling_lex.masking", "modeling_lex.kernels"):
+    for room in ("modeling_lex.reading", "modeling_lex.kernels"):
         assert edges[room] & set(STATEFUL_ROOMS) == set(), room
-    assert "modeling_lex.record" in edges["modeling_lex.masking"]
+
+
+def test_only_the_reading_policy_reads_the_config_s_reading_fields():
+    """Every room but reading.py asks the policy (`ReadingPolicy.of(config)`) how the model reads: none reads an
+    attention_* reading field of the config, so a rule about the window, the sinks or the memory's shape is
+    written once."""
+    readers = set()
+    for name, path in project_modules().items():
+        if name.startswith("modeling_lex."):
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            if {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)} & READING_FIELDS:
+                readers.add(name)
+    assert readers == {"modeling_lex.reading"}
 
 
 def test_imports_flow_down_the_layers():
@@ -117,12 +128,12 @@ def test_no_import_cycle():
     assert cycles == []
 
 
-MEMORY_TYPES = {"BlockMemory", "Choice", "Evidence", "MemoryRead", "MemoryStep"}
+MEMORY_TYPES = {"BlockMemory", "Choice", "Evidence", "MemoryStep"}
 
 
-def test_the_memory_types_are_named_in_three_rooms():
-    """The block memory's types appear in its own room, in the record that carries what a forward reads of it, and
-    in the cache that holds it: the plan, the stream and the model pass it on without naming it."""
+def test_the_memory_types_are_named_in_two_rooms():
+    """The block memory's types appear in its own room and in the cache that holds a memory per layer: the policy,
+    the stream and the model pass what a forward reads of it on (`MemoryRead`, the policy's) without naming them."""
     naming = set()
     for name, path in project_modules().items():
         if name.startswith("modeling_lex."):
@@ -132,7 +143,7 @@ def test_the_memory_types_are_named_in_three_rooms():
             words |= {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
             if words & MEMORY_TYPES:
                 naming.add(name)
-    assert naming == {"modeling_lex.record", "modeling_lex.memory", "modeling_lex.cache"}
+    assert naming == {"modeling_lex.memory", "modeling_lex.cache"}
 
 
 def test_the_reading_path_benchmark_counts_the_crossings_of_one_decoded_token():
@@ -155,3 +166,47 @@ def test_the_reading_path_benchmark_counts_the_crossings_of_one_decoded_token():
                and e["to"] == "modeling_lex/cache.py" for e in edges)
     assert all(e["from"] != e["to"] for e in edges)
     assert set(result["modules_entered"]) <= {f"{p.parent.name}/{p.name}" for p in ROOT.glob("*_lex/*.py")}
+
+
+def ownership_table() -> list[tuple[str, str, list[str]]]:
+    """(concept, module, names) of each row of docs/concepts/layout.md's ownership table."""
+    rows = []
+    for line in (ROOT / "docs" / "concepts" / "layout.md").read_text(encoding="utf-8").splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[1].startswith("`modeling_lex/"):
+            rows.append((cells[0], cells[1].strip("`"), [name.strip("` ") for name in cells[2].split(",")]))
+    return rows
+
+
+def definitions(path: Path) -> set[str]:
+    """Top-level functions, classes and assignments of a module, and `Class.method` of its classes' methods."""
+    found = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            found.add(node.name)
+        if isinstance(node, ast.ClassDef):
+            found |= {f"{node.name}.{item.name}" for item in node.body if isinstance(item, ast.FunctionDef)}
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            found |= {target.id for target in targets if isinstance(target, ast.Name)}
+    return found
+
+
+def test_each_concept_of_the_reading_path_has_one_owner():
+    """The ownership table of docs/concepts/layout.md: each concept's names are defined in the module it names and
+    in no other room of modeling_lex/ (so a change of the sink rule or of the memory's choice is a change of one
+    module), and every room appears in it."""
+    rows = ownership_table()
+    concepts = {concept for concept, _, _ in rows}
+    assert {"position method", "window", "sinks", "memory choice", "memory store", "reading spans",
+            "attention backend", "generate() coupling"} <= concepts
+    rooms = {name: definitions(path) for name, path in project_modules().items() if name.startswith("modeling_lex.")}
+    for concept, module, names in rows:
+        owner = module.removesuffix(".py").replace("/", ".")
+        assert owner in rooms, (concept, module)
+        for name in names:
+            assert name in rooms[owner], f"{concept}: {name} is not defined in {module}"
+            others = [room for room, defined in rooms.items() if room != owner and name.split(".")[-1] in
+                      {d.split(".")[-1] for d in defined if not d.startswith("_")}]
+            assert others == [], f"{concept}: {name} is defined in {module} and in {others}"
+    assert {module.removesuffix(".py").replace("/", ".") for _, module, _ in rows} == set(MODEL_ROOMS)

@@ -94,8 +94,8 @@ def test_cached_reading_matches_the_reference(method, mode, sinks, monkeypatch):
     cache = LexCache(config)
     beside = []  # per forward and layer: were blocks read that the best k alone would not read?
 
-    def choose(scores: torch.Tensor, slots: int) -> torch.Tensor:
-        chosen = choose_blocks(scores, slots)
+    def choose(scores: torch.Tensor, slots: int, centres: int) -> torch.Tensor:
+        chosen = choose_blocks(scores, slots, centres)
         best = scores.topk(min(slots, scores.shape[-1])).indices.sort(dim=-1).values
         beside.append(not torch.equal(chosen[:, -best.shape[-1]:], best))
         return chosen
@@ -160,7 +160,7 @@ def test_a_block_scores_by_its_best_representative(method):
     calls = [W, W - 3, 5, 1, 7] + [1] * 30  # (calls of at most w + 1 tokens: no pieces of b)
     ids = distinct_prompt(sum(calls), seed=5)
     logits = read(model, ids, calls, LexCache(config))
-    assert memory.representative_count(8) == 2
+    assert LexCache(config).policy.representatives == 2
     assert_reference(model, ids, as_read(calls), logits)
 
 

@@ -15,7 +15,7 @@ import modeling_lex  # noqa: F401  (registers the Auto classes)
 from configuration_lex import ATTENTION_MODES, HIDDEN_ACTS, POSITION_EMBEDDING_TYPES, LexConfig
 from modeling_lex import LexForCausalLM
 from modeling_lex.positions import POSITION_METHODS, position_method
-from modeling_lex.xpos import apply_rotary
+from modeling_lex.positions import apply_rotary
 from tests import reference
 from tests.helpers import assert_rows_equal_reference, left_pad_mask, packed, perturbed_model, tiny_config
 
@@ -85,7 +85,7 @@ def test_both_forms_of_the_rotary_product_encode_as_the_float64_reference(monkey
 def test_xpos_scale_is_torchscale_buffer():
     from torchscale.component.xpos_relative_position import XPOS
 
-    from modeling_lex.xpos import xpos_zeta
+    from modeling_lex.positions import xpos_zeta
 
     torch.testing.assert_close(xpos_zeta(64, 0.4, torch.device("cpu")).float(), XPOS(64).scale)
 
@@ -607,7 +607,7 @@ def test_strict_config_accepts_what_the_project_does(tmp_path):
 
 
 def test_bias_formulas_on_small_inputs():
-    from modeling_lex.xpos import alibi_bias, kerple_log_bias, sandwich_bias
+    from modeling_lex.positions import alibi_bias, kerple_log_bias, sandwich_bias
 
     distance = torch.tensor([[0, 1, 5], [2, 0, 1]])
     r1, r2 = torch.tensor([0.5, 2.0]), torch.tensor([0.25, 1.0])
@@ -626,7 +626,7 @@ def test_bias_formulas_on_small_inputs():
 
 
 def test_sinusoidal_table_is_fairseqs():
-    from modeling_lex.xpos import sinusoidal_embedding
+    from modeling_lex.positions import sinusoidal_embedding
 
     positions = torch.tensor([2, 3, 100, 1000])
     for dim in (32, 33):
