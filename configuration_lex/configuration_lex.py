@@ -161,6 +161,13 @@ class LexConfig(PreTrainedConfig):
 
     model_type = "lex"
     keys_to_ignore_at_inference = ["cache", "past_key_values"]  # the cache, under either transformers name
+    # Pipeline parallel (`DistributedConfig(pp_size=...)`): the layers split into stages, the embeddings on the first,
+    # the final norm on the last. Tensor parallel: `base_model_tp_plan`, which follows the MLP's kind.
+    base_model_pp_plan = {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "norm": (["hidden_states"], ["hidden_states"]),
+    }
 
     vocab_size: int = positive(default=32000)
     hidden_size: int = positive(default=768)
@@ -239,6 +246,17 @@ class LexConfig(PreTrainedConfig):
         """b = w / 2: blockwise causal attention cuts the stream into blocks of b tokens (a query sees its own
         block and the previous one)."""
         return self.attention_window // 2
+
+    @property
+    def base_model_tp_plan(self) -> dict[str, str]:
+        """Tensor parallel (`from_pretrained(..., tp_plan="auto")` under torchrun), as Llama's: each rank holds the
+        rows of its query and key/value heads and of its part of the MLP's width (gated, or TorchScale's fc1/fc2);
+        the output projections add up the ranks' parts. What a plan cannot split (a norm across every head or the
+        MLP's width, a bias over every head) is refused by name at the first forward (modeling_lex)."""
+        mlp = ({"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"} if self.mlp_type == "gated"
+               else {"fc1": "colwise", "fc2": "rowwise"})
+        return {**{f"layers.*.self_attn.{name}_proj": "colwise" for name in "qkv"},
+                "layers.*.self_attn.o_proj": "rowwise", **{f"layers.*.mlp.{name}": way for name, way in mlp.items()}}
 
     @property
     def attention_scaling(self) -> float:

@@ -14,6 +14,7 @@ refused, naming attention_memory_blocks.
 """
 
 import copy
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import Literal, get_args
 import torch
 from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.distributed import DistributedConfig
 
 import modeling_lex  # noqa: F401  (registers the Auto classes)
 from convert.checkpoint import ConversionError
@@ -104,7 +106,7 @@ def load_model(
     path: str, attention_mode: str | None = None, device: str = "cpu", dtype: Dtype | None = None,
     attention_window: int | None = None, attention_sinks: int | None = None,
     attention_sink_positions: str | None = None, attention_memory_blocks: int | None = None,
-    attention_memory_block_size: int | None = None, quantize: str | None = None,
+    attention_memory_block_size: int | None = None, quantize: str | None = None, tp_plan: str | None = None,
 ):
     """A causal LM in eval mode on `device`, with `quantize` weights (lex.quantization: "int8" or "int4",
     converted in memory) where asked; a folder saved quantized loads so, in the CPU kernels' layouts. `dtype`
@@ -113,7 +115,12 @@ def load_model(
     folder's). A Llama, Mistral or Qwen2 folder loads as published unless a windowed mode, a window or sinks
     (or a block memory) are asked for: then it is converted in memory (`convert.hf.lex_from_hf`, no second copy of the weights; its
     sinks within the cache unless `attention_sink_positions` says otherwise). Another causal LM loads as
-    published and refuses the overrides. A .gguf file loads dequantized to `dtype`."""
+    published and refuses the overrides. A .gguf file loads dequantized to `dtype`.
+
+    `tp_plan` ("auto"): sharded over the processes torchrun started (tensor parallel, transformers'
+    `from_pretrained(..., tp_plan=...)`): a LEX folder, or a checkpoint as published; one converted in memory or a
+    .gguf file is refused (convert it with `lex convert-hf` first), and so are heads that do not divide by the
+    number of processes."""
     attention = dict(attention_mode=attention_mode, attention_window=attention_window,
                      attention_sinks=attention_sinks, attention_sink_positions=attention_sink_positions,
                      attention_memory_blocks=attention_memory_blocks,
@@ -124,6 +131,8 @@ def load_model(
     except QuantizationError as error:
         raise DataError(f"MODEL {error}") from None
     dtype = dtype or ("bfloat16" if quantize or stored else "float32")
+    if tp_plan is not None:
+        check_shardable(path, gguf, attention)
     if gguf is not None:
         try:
             model = load_gguf(gguf, getattr(torch, dtype))
@@ -141,12 +150,45 @@ def load_model(
         if stored is not None and quantize not in (None, stored):
             raise DataError(f"--quantize {quantize}: MODEL {path} is saved with {stored} weights (allowed: "
                             f"{stored}, or no --quantize)")
-        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=getattr(torch, dtype))
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=getattr(torch, dtype),
+                                                     **sharded(tp_plan))
+        if tp_plan is not None:  # (placed on each rank's device by transformers)
+            return model.eval()
         if stored is not None:
             return for_cpu(model.to(device).eval(), stored)
         return quantized(model.to(device).eval(), quantize, dtype)
+    if tp_plan is not None:  # as published: transformers' own plan for its family
+        return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **sharded(tp_plan)).eval()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
     return quantized(with_attention(model, **attention, name=str(path)), quantize, dtype)
+
+
+def sharded(tp_plan: str | None) -> dict:
+    """from_pretrained's arguments for `tp_plan` (transformers' DistributedConfig), none without one."""
+    return {} if tp_plan is None else {"distributed_config": DistributedConfig(tp_plan=tp_plan)}
+
+
+def check_shardable(path: str, gguf, attention: dict) -> None:
+    """What tensor parallel (--tp_plan) cannot take, refused by name before anything loads: a .gguf file, a
+    checkpoint converted in memory, and heads that do not divide by the number of processes (WORLD_SIZE)."""
+    if gguf is not None:
+        raise DataError(f"--tp_plan with MODEL {path}, a .gguf file: it is dequantized whole in one process; convert "
+                        "it with `lex convert-hf` and shard the folder (allowed: a LEX folder, or a checkpoint folder "
+                        "as published)")
+    config = model_config(path, "MODEL")
+    asked = {key: value for key, value in attention.items() if value is not None}
+    if config.model_type != "lex" and asked:
+        raise DataError(f"--tp_plan with a {config.model_type} checkpoint converted in memory "
+                        f"(--{next(iter(asked))}): convert it once with `lex convert-hf` and shard the LEX folder "
+                        "(allowed: a LEX folder, or the checkpoint as published)")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or \
+        config.num_attention_heads
+    if heads % world or kv_heads % world:
+        allowed = [n for n in range(1, kv_heads + 1) if heads % n == 0 and kv_heads % n == 0]
+        raise DataError(f"--tp_plan over {world} processes: MODEL {path} has {heads} query and {kv_heads} key/value "
+                        f"heads, which {world} does not divide (allowed numbers of processes: "
+                        f"{', '.join(map(str, allowed))})")
 
 
 def quantized(model, kind: str | None, dtype: Dtype | None = None):
@@ -223,6 +265,7 @@ def attention_variants(
     path: str, modes: list[str], sinks: list[int], device: str = "cpu", dtype: Dtype | None = None,
     attention_window: int | None = None, sink_positions: list[str] | None = None,
     memory_blocks: list[int] | None = None, memory_block_size: int | None = None, quantize: str | None = None,
+    tp_plan: str | None = None,
 ) -> Iterator[tuple[dict, torch.nn.Module]]:
     """(labels, model) for each mode of `modes` with each of `sinks` and, where a reading has sinks, each rule of
     `sink_positions` (None: the model's own), and each of `memory_blocks` (None: the model's own memory, unlabelled)
@@ -232,7 +275,7 @@ def attention_variants(
     attention comes once (sinks change nothing there; without memory), and a non-LEX, non-Llama-family model in
     full attention only (`attention_modes` says so). A Llama-family folder (or .gguf file) is read once and
     converted per reading; with `quantize`, each reading's model gets its own quantized copy of the weights
-    (labelled `quantize`)."""
+    (labelled `quantize`). With `tp_plan`, each model is sharded over torchrun's processes (`load_model`)."""
     config = model_config(path, "MODEL", gguf=True)
     modes, _ = attention_modes(config, modes)
     readings = []
@@ -244,13 +287,16 @@ def attention_variants(
                          | ({"attention_sink_positions": rule} if rule else {})
                          | ({"attention_memory_blocks": k} if k is not None else {})
                          for rule in rules for k in memories]
-    source = None if config.model_type == "lex" else load_model(path, None, device, dtype)
+    if tp_plan is not None and config.model_type != "lex" and modes != ["full"]:
+        check_shardable(path, None, {"attention_mode": "/".join(modes)})  # (refused: converted in memory)
+    source = None if config.model_type == "lex" else load_model(path, None, device, dtype, tp_plan=tp_plan)
     for labels in readings:
         size = memory_block_size if labels.get("attention_memory_blocks") else None
         if source is None:  # (full attention: without the folder's memory, if it has one)
             memory = {"attention_memory_blocks": 0} if labels["attention_mode"] == "full" else {}
             model = load_model(path, device=device, dtype=dtype, attention_window=attention_window,
-                               attention_memory_block_size=size, quantize=quantize, **memory | labels)
+                               attention_memory_block_size=size, quantize=quantize, tp_plan=tp_plan,
+                               **memory | labels)
         else:
             window = None if labels["attention_mode"] == "full" else attention_window
             model = with_attention(source, attention_window=window, **labels, name=str(path),

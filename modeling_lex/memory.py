@@ -30,7 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from .positions import apply_rotary
 from .reading import MemoryRead, ReadingPolicy
@@ -298,19 +300,20 @@ class BlockMemory:
             self.representatives[:, :, :, complete : self.blocks] = block_representatives(
                 span, self.block, self.policy.representatives)
 
-    def recall(self, query: torch.Tensor, frame: torch.Tensor | None = None
+    def recall(self, query: torch.Tensor, frame: torch.Tensor | None = None, group: ProcessGroup | None = None
                ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The blocks this layer's queries (B, Hq, T, d, before positions) read in the forward open now (`read`),
         keys and values (B, H, k*block, d); None where the forward reads nothing of the memory. The choice is
-        staged: held from `commit` on, dropped by `discard`."""
+        staged: held from `commit` on, dropped by `discard`. `group`: the tensor-parallel group whose ranks hold
+        the layer's other heads (see `read`)."""
         step = self.forward.step
         if step is None:
             return None
-        self.pending = self.read(query, step.read, step.evidence, frame)
+        self.pending = self.read(query, step.read, step.evidence, frame, group)
         return self.pending.keys, self.pending.values
 
     def read(self, query: torch.Tensor, read: MemoryRead, evidence: Evidence,
-             frame: torch.Tensor | None = None) -> Choice:
+             frame: torch.Tensor | None = None, group: ProcessGroup | None = None) -> Choice:
         """The k slots' keys and values (B, H, k*block, d) for a layer's queries (B, Hq, T, d) before positions: the
         keys rotated by `frame` to their places in the memory's frame (RoPE, `CacheRequest.memory_frame`), else
         raw; the empty slots (first) hold block 0, masked by the plan. Its `choosing_queries` score the blocks; this
@@ -318,12 +321,19 @@ class BlockMemory:
         blocks as the last choice (a decoding step before the next block completes) reads the blocks chosen then,
         as they were read then (`chosen`): gathered and rotated once per choice, so a decoding step neither
         gathers, rotates nor copies them. Returns the choice read; a new one is held from `commit` on. Nothing held
-        changes, and the tensors returned are read, never written."""
+        changes, and the tensors returned are read, never written.
+
+        Under tensor parallel (`group`) this rank holds some of the layer's heads, and a block's score is a sum over
+        all of them: the scores (B, blocks) are summed over the group's ranks before choosing (one all_reduce a
+        layer and choice), so every rank chooses what one process would."""
         blocks = read.candidates.shape[1]
         chosen = self.chosen
         if query.shape[2] > 1 or chosen is None or blocks != chosen.among:
             choosing = choosing_queries(query.detach(), self.policy.piece, self.block) * self.scaling
-            total = evidence.add(block_scores(choosing, self.representatives[:, :, :, :blocks], read.candidates))
+            scores = block_scores(choosing, self.representatives[:, :, :, :blocks], read.candidates)
+            if group is not None:
+                dist.all_reduce(scores, group=group)
+            total = evidence.add(scores)
             picked = choose_blocks(torch.where(read.candidates, total, -torch.inf), self.slots,
                                    self.policy.centre_blocks)
             keys = self._blocks(self.keys, picked)

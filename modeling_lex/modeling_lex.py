@@ -19,6 +19,8 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
 from transformers import AutoModel, AutoModelForCausalLM
 from transformers import initialization as init
 from transformers.cache_utils import Cache
@@ -157,6 +159,15 @@ class LexAttention(nn.Module):
         self.position_method = position_method(config)
         self.position_method.add_parameters(self)
 
+    def tensor_parallel_group(self) -> ProcessGroup | None:
+        """The group of ranks that hold this layer's other heads under tensor parallel (its projections are DTensors
+        sharded over a "tp" mesh), else None."""
+        weight = self.q_proj.weight
+        if not isinstance(weight, DTensor):
+            return None
+        mesh = weight.device_mesh
+        return mesh.get_group("tp") if "tp" in (mesh.mesh_dim_names or ()) else mesh.get_group()
+
     def learned_bias(self, distance: torch.Tensor) -> torch.Tensor:
         """This layer's learned position bias (KERPLE) for query-minus-key distances (tile layout)."""
         return self.position_method.learned_bias(self, distance)
@@ -182,7 +193,7 @@ class LexAttention(nn.Module):
             key, value = cache.update(key, value, self.layer_idx, plan.cache_request)
             memory = cache.layers[self.layer_idx].memory
             if memory is not None:  # the blocks past the window this layer's queries choose
-                recalled = memory.recall(raw_query, plan.cache_request.memory_frame)
+                recalled = memory.recall(raw_query, plan.cache_request.memory_frame, self.tensor_parallel_group())
         elif cache is not None:  # a transformers cache: every key of the stream
             key, value = cache.update(key, value, self.layer_idx)
         dropout = self.config.attention_dropout if self.training else 0.0
@@ -196,6 +207,23 @@ class LexAttention(nn.Module):
         if self.inner_attn_ln is not None:
             output = self.inner_attn_ln(output)
         return self.o_proj(output), weights
+
+
+SPLIT_POSITION_METHODS = ("xpos", "rope", "decay", "none", "sinusoidal")  # no term of their own per head
+
+
+def refuse_what_tensor_parallel_cannot_split(config: LexConfig, tp_size: int) -> None:
+    """Tensor parallel splits each layer by heads (LexConfig.base_model_tp_plan): what needs every head on one rank
+    is refused by name. TorchScale's sub-LayerNorms normalise across all heads and across the MLP's whole width; the
+    bias of ALiBi, Sandwich and KERPLE is made for every head."""
+    if config.subln:
+        raise ValueError(f"LexConfig.subln=True with tensor parallel (tp_size={tp_size}): the sub-LayerNorms normalise "
+                         "across every head and the MLP's whole width, which no rank holds (allowed: subln=False, "
+                         "or tp_size=1)")
+    if config.position_embedding_type not in SPLIT_POSITION_METHODS:
+        raise ValueError(f"LexConfig.position_embedding_type={config.position_embedding_type!r} with tensor parallel "
+                         f"(tp_size={tp_size}): its bias is made for every head, not a rank's (allowed: "
+                         f"{', '.join(SPLIT_POSITION_METHODS)}, or tp_size=1)")
 
 
 def without_positions(plan: AttentionPlan) -> AttentionPlan:
@@ -356,6 +384,9 @@ class LexModel(LexPreTrainedModel):
         """
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        distributed = getattr(self.config, "distributed_config", None)  # (transformers sets it when it shards)
+        if distributed is not None and distributed.tp_size > 1:
+            refuse_what_tensor_parallel_cannot_split(self.config, distributed.tp_size)
         length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
         if length == 0:
             raise ValueError("the input is empty: input_ids/inputs_embeds must hold at least one token")
@@ -490,6 +521,8 @@ class LexModel(LexPreTrainedModel):
 
 class LexForCausalLM(LexPreTrainedModel, LexGenerationMixin, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}  # as Llama's (LexConfig.base_model_tp_plan: the layers)
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
     cache_class, static_cache_class = LexCache, LexStaticCache  # what generate() creates (generation.py)
 
     def __init__(self, config: LexConfig):

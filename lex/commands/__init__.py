@@ -35,6 +35,7 @@ plus one line in lex/cli.py's COMMANDS: "convert-hf": ("lex.commands.convert_hf"
 
 import argparse
 import copy
+import os
 import re
 import sys
 from collections.abc import Callable, Iterable
@@ -270,6 +271,41 @@ def check_quantize(parser: argparse.ArgumentParser, quantize: str | None, device
     if quantize and device != "cpu":
         parser.error(f"{parser.flag('quantize')} {quantize} lays the weights out for the CPU's kernels; "
                      f"{parser.flag('device')} {device} (allowed: cpu)")
+
+
+# ---------------------------------------------------------------- several processes: --tp_plan
+
+TP_HELP = ("shard the model over the processes torchrun starts (tensor parallel, as transformers' "
+           "from_pretrained(..., tp_plan='auto') does): each holds its share of every layer's heads and of its cache; "
+           "run as `torchrun --nproc_per_node N -m lex.cli COMMAND ... --tp_plan auto` (gloo on CPU, nccl on CUDA); "
+           "only rank 0 prints and writes")
+
+
+def add_tp_argument(parser: argparse.ArgumentParser) -> None:
+    """--tp_plan, as transformers' from_pretrained spells it."""
+    parser.add_argument("--tp_plan", choices=("auto",), help=TP_HELP)
+
+
+def check_tp(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A bad command line for --tp_plan: outside torchrun (no WORLD_SIZE), or with --quantize (the CPU kernels'
+    layouts hold whole tensors)."""
+    if args.tp_plan is None:
+        return
+    if "WORLD_SIZE" not in os.environ:
+        parser.error(f"{parser.flag('tp_plan')} {args.tp_plan} shards the model over the processes torchrun starts: "
+                     "run `torchrun --nproc_per_node N -m lex.cli ...` (WORLD_SIZE is not set)")
+    if getattr(args, "quantize", None):
+        parser.error(f"{parser.flag('tp_plan')} with {parser.flag('quantize')} {args.quantize}: quantized weights "
+                     "are laid out whole for the CPU's kernels (allowed: one of the two)")
+
+
+def only_rank_zero_speaks() -> bool:
+    """Under torchrun every process runs the command: the others' stdout and stderr go to os.devnull, so what the
+    command prints (and a refusal, which every rank meets alike) appears once. Returns whether this is rank 0."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        return True
+    sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115  (for the life of the process)
+    return False
 
 
 # ---------------------------------------------------------------- how a model reads: the --attention_* flags

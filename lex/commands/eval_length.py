@@ -20,8 +20,9 @@ import torch
 
 from convert.hf import SOURCE_TYPES, lex_from_hf
 from lex.commands import (
-    LexArgumentParser, add_quantize_argument, add_reading_arguments, check_quantize, check_reading_arguments,
-    comma_list, positive_int, positive_ints, require_device,
+    LexArgumentParser, add_quantize_argument, add_reading_arguments, add_tp_argument, check_quantize,
+    check_reading_arguments, check_tp, comma_list, only_rank_zero_speaks, positive_int, positive_ints,
+    require_device,
 )
 from lex.data import DataError, evaluation_texts, tokenized_documents
 from lex.models import attention_modes, attention_variants, load_tokenizer, model_config
@@ -52,6 +53,7 @@ def build_parser() -> LexArgumentParser:
     parser.add_argument("--resolution", action="store_true", help="attention resolution per layer (paper eq. 3)")
     parser.add_argument("--passkey", action="store_true", help="passkey retrieval at several distances")
     add_quantize_argument(parser)
+    add_tp_argument(parser)
     return parser
 
 
@@ -60,6 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     require_device(parser, args.device)
     check_quantize(parser, args.quantize, args.device)
+    check_tp(parser, args)
     if args.document_tokens is not None and args.document_tokens < max(args.lengths):
         parser.error(f"{parser.flag('document_tokens')} {args.document_tokens} is shorter than the longest of "
                      f"{parser.flag('lengths')}, {max(args.lengths)}")
@@ -71,6 +74,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    speaks = args.tp_plan is None or only_rank_zero_speaks()  # under torchrun: rank 0 prints and writes
     notes = {}
     for path in args.model:
         config = model_config(path, "MODEL", tokenizer=True, gguf=True)
@@ -91,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 sink_positions=args.attention_sink_positions,
                                                 memory_blocks=None if memory is None else list(memory),
                                                 memory_block_size=args.attention_memory_block_size,
-                                                quantize=args.quantize):
+                                                quantize=args.quantize, tp_plan=args.tp_plan):
             for _, scored in score_rows(model, documents, args.lengths, args.protocols, args.batch_size, True,
                                         {"model": name, **labels}, args.document_tokens):
                 rows += scored
@@ -101,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
                 scored_model = model if model.config.model_type == "lex" else lex_from_hf(model)
                 row, curves[name] = resolution_rows(scored_model, tokenizer, name, texts)
                 resolution.append(row)
+    if not speaks:
+        return 0
     with atomic_files(args.output_dir) as staging:
         write_results(rows, staging)
         if args.resolution:

@@ -27,7 +27,8 @@ from transformers import TextStreamer
 
 from convert.hf import SOURCE_TYPES
 from lex.commands import (
-    LexArgumentParser, add_quantize_argument, add_reading_arguments, check_quantize, check_reading_arguments,
+    LexArgumentParser, add_quantize_argument, add_reading_arguments, add_tp_argument, check_quantize,
+    check_reading_arguments, check_tp, only_rank_zero_speaks,
 )
 from lex.data import DataError, check_text_file
 from lex.models import DTYPES, load_model, load_tokenizer, model_config
@@ -55,6 +56,7 @@ def build_parser() -> LexArgumentParser:
     parser.add_argument("--dtype", choices=DTYPES,
                         help="weights and activations (default: float32; bfloat16 for quantized weights)")
     add_quantize_argument(parser)
+    add_tp_argument(parser)
     parser.add_argument("--no_progress", action="store_true", help="no progress bar while reading the prompt")
     return parser
 
@@ -78,6 +80,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"{parser.flag('device')} {args.device}: no CUDA device is available")
     check_quantize(parser, args.quantize, args.device)
+    check_tp(parser, args)
     flag = parser.flag("prompt_file")
     check_text_file(args.prompt_file, flag)
     args.prompt = args.prompt_file.read_text(encoding="utf-8")
@@ -126,10 +129,12 @@ def read_into_memory(model, input_ids: torch.Tensor, memory_directory: Path | No
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.tp_plan is not None:
+        only_rank_zero_speaks()
     torch.manual_seed(args.seed)
     model = load_model(args.model, args.attention_mode, args.device, args.dtype, args.attention_window,
                        args.attention_sinks, args.attention_sink_positions, args.attention_memory_blocks,
-                       args.attention_memory_block_size, args.quantize)
+                       args.attention_memory_block_size, args.quantize, args.tp_plan)
     tokenizer = load_tokenizer(args.model)
     input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(args.device)
     if input_ids.shape[1] == 0:

@@ -1,0 +1,126 @@
+"""Past one device: a LEX model loaded as transformers users load one across devices (`from_pretrained(...,
+tp_plan="auto")` under torchrun, gloo on CPU), against one process (the reference: the same folders read without
+tensor parallel), for full attention, sliding + 4 sinks, and sliding + 4 sinks + the block memory.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from convert.hf import lex_from_hf
+from modeling_lex import LexForCausalLM
+from tests.helpers import perturb
+from tests.tp_gloo import READINGS, reading
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+WINDOW = 16
+FIELDS = {"full": dict(attention_mode="full"),
+          "sliding_sinks": dict(attention_mode="sliding", attention_window=WINDOW, attention_sinks=4),
+          "sliding_sinks_memory": dict(attention_mode="sliding", attention_window=WINDOW, attention_sinks=4,
+                                       attention_memory_blocks=3, attention_memory_block_size=4)}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+    """A Llama with 4 query and 2 key/value heads (each of 2 ranks holds 2 and 1), every parameter perturbed."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=WINDOW)
+    return perturb(LlamaForCausalLM(config).eval(), seed)
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> tuple[Path, list[dict], list[dict]]:
+    """The three folders and a prompt of 60 tokens (past the window: spans, evictions, memory choices), read by
+    `torchrun --nproc_per_node 2 tests/tp_gloo.py`: each rank's summary and tensors."""
+    workdir = tmp_path_factory.mktemp("tp")
+    for name, fields in FIELDS.items():
+        lex_from_hf(tiny_llama(), **fields).save_pretrained(workdir / name)
+    torch.save(torch.randperm(96, generator=torch.Generator().manual_seed(5))[None, :60] + 1, workdir / "prompt.pt")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), str(ROOT / "tests" / "tp_gloo.py"), str(workdir)]
+    run = subprocess.run(command, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ranks = sorted(workdir.glob("rank*.json"))
+    summaries = [json.loads(path.read_text()) for path in ranks]
+    tensors = [torch.load(path.with_suffix(".pt"), weights_only=True) for path in ranks]
+    return workdir, summaries, tensors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", READINGS)
+def test_a_model_sharded_over_two_processes_reads_as_one(launched, name):
+    """Each rank holds its share of q_proj's rows and of the cache's keys and values (the world size read from the
+    ranks); the logits are one process's within 1e-5, the 16 greedy tokens equal, and with the block memory every
+    rank chooses the blocks one process chooses."""
+    workdir, summaries, tensors = launched
+    world = summaries[0]["world_size"]
+    assert world == 2 and len(summaries) == world
+    single = reading(LexForCausalLM.from_pretrained(workdir / name).eval(),
+                     torch.load(workdir / "prompt.pt", weights_only=True))
+    for summary, logits in zip(summaries, tensors):
+        share = summary[name]
+        assert share["q_proj_rows"] * world == share["q_proj_rows_in_all"] == 4 * 16
+        assert share["cache_bytes"] * world == single["cache_bytes"]
+        torch.testing.assert_close(logits[name], single["logits"], atol=1e-5, rtol=0)
+        assert share["tokens"] == single["tokens"].tolist()
+        assert share["blocks"] == single["blocks"]
+    if name.endswith("memory"):
+        assert len(single["blocks"]) == 3 and all(len(row[0]) == 3 for row in single["blocks"].values())
+
+
+def torchrun(processes: int, *command: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
+                           "--master_port", str(free_port()), "-m", "lex.cli", *command],
+                          env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_lex_commands_shard_a_folder_over_torchrun_and_speak_once(launched, tmp_path, lex_run):
+    """`torchrun --nproc_per_node 2 -m lex.cli generate FOLDER ... --tp_plan auto` continues the prompt as one
+    process does and prints it once; `eval-length ... --tp_plan auto` scores what one process scores and writes its
+    results once; 3 processes over 4 query and 2 key/value heads are refused by name, with the numbers allowed."""
+    from tests.helpers import word_tokenizer
+
+    workdir, _, _ = launched
+    folder = workdir / "sliding_sinks_memory"
+    tokenizer, words = word_tokenizer()
+    tokenizer.save_pretrained(folder)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text(" ".join(words[(7 * i) % 96] for i in range(50)))
+    prompt = ["--prompt_file", str(tmp_path / "docs" / "a.txt"), "--max_new_tokens", "12", "--no_progress"]
+    status, alone, _ = lex_run("generate", str(folder), *prompt)
+    assert status == 0
+    sharded = torchrun(2, "generate", str(folder), *prompt, "--tp_plan", "auto")
+    assert sharded.returncode == 0, sharded.stderr[-3000:]
+    assert sharded.stdout.split() == alone.split() and len(alone.split()) == 12
+    assert sharded.stderr.count("read the prompt and generated 12 tokens") == 1
+
+    scores = ["--files", str(tmp_path / "docs" / "a.txt"), "--lengths", "48", "--protocols", "segments",
+              "--attention_modes", "sliding"]
+    assert lex_run("eval-length", str(folder), *scores, "--output_dir", str(tmp_path / "alone"))[0] == 0
+    sharded = torchrun(2, "eval-length", str(folder), *scores, "--output_dir", str(tmp_path / "sharded"),
+                       "--tp_plan", "auto")
+    assert sharded.returncode == 0, sharded.stderr[-3000:]
+    assert sharded.stdout.count("wrote ") == 1
+    ppl = [json.loads((tmp_path / run / "results.json").read_text())[0]["ppl"] for run in ("alone", "sharded")]
+    assert ppl[1] == pytest.approx(ppl[0], rel=1e-5)
+
+    refused = torchrun(3, "generate", str(folder), *prompt, "--tp_plan", "auto")
+    assert refused.returncode != 0
+    assert refused.stderr.count("lex generate: --tp_plan over 3 processes") == 1
+    assert "4 query and 2 key/value heads, which 3 does not divide (allowed numbers of processes: 1, 2)" in \
+        refused.stderr
