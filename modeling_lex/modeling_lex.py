@@ -212,18 +212,35 @@ class LexAttention(nn.Module):
 SPLIT_POSITION_METHODS = ("xpos", "rope", "decay", "none", "sinusoidal")  # no term of their own per head
 
 
-def refuse_what_tensor_parallel_cannot_split(config: LexConfig, tp_size: int) -> None:
-    """Tensor parallel splits each layer by heads (LexConfig.base_model_tp_plan): what needs every head on one rank
-    is refused by name. TorchScale's sub-LayerNorms normalise across all heads and across the MLP's whole width; the
-    bias of ALiBi, Sandwich and KERPLE is made for every head."""
-    if config.subln:
-        raise ValueError(f"LexConfig.subln=True with tensor parallel (tp_size={tp_size}): the sub-LayerNorms normalise "
+def refuse_what_parallelism_cannot_split(config: LexConfig, policy: ReadingPolicy, distributed) -> None:
+    """What transformers' parallelism (its `DistributedConfig`) cannot compute as one process does, refused by name.
+
+    Tensor parallel splits each layer by heads (LexConfig.base_model_tp_plan): TorchScale's sub-LayerNorms normalise
+    across all heads and the MLP's whole width, and the bias of ALiBi, Sandwich and KERPLE is made for every head.
+    Pipeline parallel hands a stage's hidden states to the next as its input embeddings: embeddings that the model
+    scales, adds positions to or normalises after the lookup would be changed twice, and the block memory's choice,
+    which adds up the scores of the layers below, would miss those of the earlier stages."""
+    tp, pp = distributed.tp_size, distributed.pp_size or 1
+    if tp > 1 and config.subln:
+        raise ValueError(f"LexConfig.subln=True with tensor parallel (tp_size={tp}): the sub-LayerNorms normalise "
                          "across every head and the MLP's whole width, which no rank holds (allowed: subln=False, "
                          "or tp_size=1)")
-    if config.position_embedding_type not in SPLIT_POSITION_METHODS:
+    if tp > 1 and config.position_embedding_type not in SPLIT_POSITION_METHODS:
         raise ValueError(f"LexConfig.position_embedding_type={config.position_embedding_type!r} with tensor parallel "
-                         f"(tp_size={tp_size}): its bias is made for every head, not a rank's (allowed: "
+                         f"(tp_size={tp}): its bias is made for every head, not a rank's (allowed: "
                          f"{', '.join(SPLIT_POSITION_METHODS)}, or tp_size=1)")
+    if pp > 1 and policy.memory_tokens:
+        raise ValueError(f"LexConfig.attention_memory_blocks={policy.memory_blocks} with pipeline parallel "
+                         f"(pp_size={pp}): a layer chooses blocks by the scores of the layers below it, which earlier "
+                         "stages hold (allowed: attention_memory_blocks=0, or pp_size=1; tensor parallel keeps it)")
+    if pp > 1 and (config.layernorm_embedding or config.absolute_position_embedding is not None
+                   or (config.embedding_scale != 1.0 and not config.embedding_scale_in_lookup)):
+        raise ValueError(f"LexConfig embeddings with embedding_scale={config.embedding_scale}, layernorm_embedding="
+                         f"{config.layernorm_embedding}, absolute_position_embedding="
+                         f"{config.absolute_position_embedding!r} with pipeline parallel (pp_size={pp}): a later stage "
+                         "is given hidden states as input embeddings, which these would change again (allowed: "
+                         "embedding_scale=1.0 or in the lookup, no layernorm_embedding, no absolute positions, or "
+                         "pp_size=1)")
 
 
 def without_positions(plan: AttentionPlan) -> AttentionPlan:
@@ -384,9 +401,10 @@ class LexModel(LexPreTrainedModel):
         """
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        policy = self.policy
         distributed = getattr(self.config, "distributed_config", None)  # (transformers sets it when it shards)
-        if distributed is not None and distributed.tp_size > 1:
-            refuse_what_tensor_parallel_cannot_split(self.config, distributed.tp_size)
+        if distributed is not None:
+            refuse_what_parallelism_cannot_split(self.config, policy, distributed)
         length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
         if length == 0:
             raise ValueError("the input is empty: input_ids/inputs_embeds must hold at least one token")
@@ -396,7 +414,6 @@ class LexModel(LexPreTrainedModel):
             scored = hidden_states_to_keep if hidden_states_to_keep > 0 else length
             if scored < length:
                 cache.mark_removable(cache.seen + length - scored)
-        policy = self.policy
         memory = policy.memory_tokens > 0
         wants_internals = kwargs.get("output_hidden_states") or kwargs.get("output_attentions")
         long = in_spans and not wants_internals and (length > policy.window
@@ -495,11 +512,11 @@ class LexModel(LexPreTrainedModel):
                 f"{policy.window} tokens at a time, through a LexCache (forward() reads longer inputs "
                 "so, without output_attentions or output_hidden_states)"
             )
-        record = begin_forward(policy, *reference.shape[:2], self.embed_tokens.weight.device, attention_mask,
-                               position_ids, cache)
+        # (the weights' device and dtype; a later pipeline stage has no embeddings and is given hidden states)
+        like = inputs_embeds if inputs_embeds is not None else self.embed_tokens.weight
+        record = begin_forward(policy, *reference.shape[:2], like.device, attention_mask, position_ids, cache)
         maps = kwargs.get("output_attentions", self.config.output_attentions)
-        plan = build_plan(policy, self.position_method, record.context, self.embed_tokens.weight.dtype,
-                          attention_maps=bool(maps))
+        plan = build_plan(policy, self.position_method, record.context, like.dtype, attention_maps=bool(maps))
         hidden_states = self.embed(input_ids, inputs_embeds, record.context.query_positions)
         rope_layers, local_layers = self.config.rope_layers, self.config.local_layers
         plans = {}  # (local, rotary) -> the plan of such layers, made once per forward
@@ -511,7 +528,7 @@ class LexModel(LexPreTrainedModel):
                     layer_plan = plan
                     if kind[0]:  # a local layer: its own window and rope over the same record
                         layer_plan = build_plan(policy.local(), self.local_position_method, record.context,
-                                                self.embed_tokens.weight.dtype, attention_maps=bool(maps))
+                                                like.dtype, attention_maps=bool(maps))
                     plans[kind] = layer_plan if kind[1] else without_positions(layer_plan)
                 hidden_states = layer(hidden_states, plan=plans[kind], cache=cache, **kwargs)
         if self.norm is not None:

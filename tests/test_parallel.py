@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from convert.hf import lex_from_hf
 from modeling_lex import LexForCausalLM
 from tests.helpers import perturb
-from tests.tp_gloo import READINGS, reading
+from tests.parallel_gloo import NEW_TOKENS, READINGS, reading
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -43,21 +43,35 @@ def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> tuple[Path, list[dict], list[dict]]:
-    """The three folders and a prompt of 60 tokens (past the window: spans, evictions, memory choices), read by
-    `torchrun --nproc_per_node 2 tests/tp_gloo.py`: each rank's summary and tensors."""
-    workdir = tmp_path_factory.mktemp("tp")
+def folders(tmp_path_factory) -> Path:
+    """The three folders and a prompt of 60 tokens (past the window: spans, evictions, memory choices)."""
+    workdir = tmp_path_factory.mktemp("parallel")
     for name, fields in FIELDS.items():
         lex_from_hf(tiny_llama(), **fields).save_pretrained(workdir / name)
     torch.save(torch.randperm(96, generator=torch.Generator().manual_seed(5))[None, :60] + 1, workdir / "prompt.pt")
+    return workdir
+
+
+def run_script(workdir: Path, mode: str, *readings: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), str(ROOT / "tests" / "tp_gloo.py"), str(workdir)]
-    run = subprocess.run(command, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+               str(free_port()), str(ROOT / "tests" / "parallel_gloo.py"), str(workdir), mode, *readings]
+    return subprocess.run(command, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def launch(workdir: Path, mode: str, *readings: str) -> tuple[Path, list[dict], list[dict]]:
+    """`torchrun --nproc_per_node 2 tests/parallel_gloo.py WORKDIR MODE [READING ...]`: each rank's summary and
+    tensors."""
+    run = run_script(workdir, mode, *readings)
     assert run.returncode == 0, run.stderr[-3000:]
-    ranks = sorted(workdir.glob("rank*.json"))
+    ranks = sorted(workdir.glob(f"{mode}[0-9].json"))
     summaries = [json.loads(path.read_text()) for path in ranks]
     tensors = [torch.load(path.with_suffix(".pt"), weights_only=True) for path in ranks]
     return workdir, summaries, tensors
+
+
+@pytest.fixture(scope="module")
+def launched(folders) -> tuple[Path, list[dict], list[dict]]:
+    return launch(folders, "tp")
 
 
 @pytest.mark.slow
@@ -124,3 +138,27 @@ def test_lex_commands_shard_a_folder_over_torchrun_and_speak_once(launched, tmp_
     assert refused.stderr.count("lex generate: --tp_plan over 3 processes") == 1
     assert "4 query and 2 key/value heads, which 3 does not divide (allowed numbers of processes: 1, 2)" in \
         refused.stderr
+
+
+@pytest.mark.slow
+def test_a_pipeline_of_two_stages_reads_as_one_process(folders):
+    """`DistributedConfig(pp_size=2)`: each rank holds the layers of its stage (the world size read from the ranks),
+    and both return one process's logits (within 1e-5) and greedy tokens, for full attention and for sliding + 4
+    sinks (a prompt read in spans past the window); the block memory is refused by name (a layer chooses by the
+    scores of the layers below it, which the other stage holds)."""
+    _, summaries, tensors = launch(folders, "pp", "full", "sliding_sinks")
+    assert summaries[0]["world_size"] == 2 and len(summaries) == 2
+    assert [summary["full"]["layers"] for summary in summaries] == [[0, 1], [2]]
+    ids = torch.load(folders / "prompt.pt", weights_only=True)
+    for name in ("full", "sliding_sinks"):
+        model = LexForCausalLM.from_pretrained(folders / name).eval()
+        with torch.no_grad():
+            logits = model(ids).logits
+            tokens = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                                    eos_token_id=None)[:, ids.shape[1]:]
+        for summary, stage in zip(summaries, tensors):
+            torch.testing.assert_close(stage[name], logits, atol=1e-5, rtol=0)
+            assert summary[name]["tokens"] == tokens.tolist()
+    refused = run_script(folders, "pp", "sliding_sinks_memory")
+    assert refused.returncode != 0
+    assert "LexConfig.attention_memory_blocks=3 with pipeline parallel (pp_size=2)" in refused.stderr
