@@ -249,3 +249,23 @@ def llama_gguf(path, model, tokenizer) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+# ---------------------------------------------------------------- a Gemma 3 source with local and global layers
+
+GEMMA3_LAYERS = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+
+
+def gemma3_source(local_window: int = 8, seed: int = 4, **overrides):
+    """transformers' own Gemma3ForCausalLM, tiny: local layers (their own window and rope theta) between global ones
+    (linear-scaled rope), q/k norms, Gemma's norms and scaled embeddings, every parameter perturbed."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=12, sliding_window=local_window,
+        layer_types=GEMMA3_LAYERS, max_position_embeddings=W, tie_word_embeddings=False,
+        rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}, **overrides)
+    return perturb(Gemma3ForCausalLM(config).eval(), seed)

@@ -1,8 +1,8 @@
 """Tensor and pipeline parallel on CPU, run by tests/test_parallel.py under
 `torchrun --nproc_per_node N tests/parallel_gloo.py WORKDIR tp|pp [READING ...]`.
 
-WORKDIR holds one LEX folder per reading (full, sliding + 4 sinks, sliding + 4 sinks + a block memory) and
-prompt.pt. tp: each rank loads every folder as transformers users load a model across devices
+WORKDIR holds one LEX folder per reading (full, sliding + 4 sinks, sliding or blockwise + 4 sinks + a block
+memory, and a Gemma 3 with local layers, sliding + 4 sinks + a memory) and prompt.pt. tp: each rank loads every folder as transformers users load a model across devices
 (`from_pretrained(folder, tp_plan="auto")`, gloo) and records what it holds and computes: the world size, its
 q_proj rows (of the full tensor's), its cache's key/value bytes after the prompt, the prompt's logits, 16 greedy
 tokens, and each layer's chosen blocks of the memory after reading the prompt and decoding. pp: each rank loads the
@@ -27,7 +27,7 @@ from transformers.distributed import DistributedConfig  # noqa: E402
 
 from modeling_lex import LexCache, LexForCausalLM  # noqa: E402
 
-READINGS = ("full", "sliding_sinks", "sliding_sinks_memory")
+READINGS = ("full", "sliding_sinks", "sliding_sinks_memory", "blockwise_sinks_memory", "gemma3_sliding_sinks_memory")
 NEW_TOKENS = 16
 
 

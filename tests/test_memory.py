@@ -21,7 +21,8 @@ from modeling_lex.generation import CACHE_NAME  # the installed transformers' na
 from convert.hf import lex_from_hf
 from tests import reference
 from lex.cli import main as lex
-from tests.helpers import PAD, W, greedy, perturb, perturbed_model, prompt, tiny_config, word_tokenizer
+from tests.helpers import GEMMA3_LAYERS, PAD, W, gemma3_source, greedy, perturbed_model, prompt, tiny_config, \
+    word_tokenizer
 
 pytestmark = pytest.mark.oldest  # also run on the oldest transformers we declare
 
@@ -478,24 +479,6 @@ def test_refusals():
     with pytest.raises(ValueError, match="activate_past_recording with attention_memory_blocks=3"):
         model.generate(prompt(1, 8), assistant_model=perturbed_model(config, seed=1), max_new_tokens=4,
                        pad_token_id=PAD)
-
-
-GEMMA3_LAYERS = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
-
-
-def gemma3_source(local_window: int = 8, seed: int = 4, **overrides):
-    """transformers' own Gemma3ForCausalLM, tiny: local layers (their own window and rope theta) between global ones
-    (linear-scaled rope), q/k norms, Gemma's norms and scaled embeddings, every parameter perturbed."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(seed)
-    config = Gemma3TextConfig(
-        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=12, sliding_window=local_window,
-        layer_types=GEMMA3_LAYERS, max_position_embeddings=W, tie_word_embeddings=False,
-        rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}, **overrides)
-    return perturb(Gemma3ForCausalLM(config).eval(), seed)
 
 
 @pytest.mark.parametrize("mode", ["sliding", "blockwise"])

@@ -16,16 +16,18 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from convert.hf import lex_from_hf
 from modeling_lex import LexForCausalLM
-from tests.helpers import perturb
+from tests.helpers import gemma3_source, perturb
 from tests.parallel_gloo import NEW_TOKENS, READINGS, reading
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 WINDOW = 16
+MEMORY = dict(attention_sinks=4, attention_memory_blocks=3, attention_memory_block_size=4)
 FIELDS = {"full": dict(attention_mode="full"),
           "sliding_sinks": dict(attention_mode="sliding", attention_window=WINDOW, attention_sinks=4),
-          "sliding_sinks_memory": dict(attention_mode="sliding", attention_window=WINDOW, attention_sinks=4,
-                                       attention_memory_blocks=3, attention_memory_block_size=4)}
+          "sliding_sinks_memory": dict(attention_mode="sliding", attention_window=WINDOW, **MEMORY),
+          "blockwise_sinks_memory": dict(attention_mode="blockwise", attention_window=WINDOW, **MEMORY),
+          "gemma3_sliding_sinks_memory": dict(attention_mode="sliding", attention_window=WINDOW, **MEMORY)}
 
 
 def free_port() -> int:
@@ -47,7 +49,8 @@ def folders(tmp_path_factory) -> Path:
     """The three folders and a prompt of 60 tokens (past the window: spans, evictions, memory choices)."""
     workdir = tmp_path_factory.mktemp("parallel")
     for name, fields in FIELDS.items():
-        lex_from_hf(tiny_llama(), **fields).save_pretrained(workdir / name)
+        source = gemma3_source() if name.startswith("gemma3") else tiny_llama()
+        lex_from_hf(source, **fields).save_pretrained(workdir / name)
     torch.save(torch.randperm(96, generator=torch.Generator().manual_seed(5))[None, :60] + 1, workdir / "prompt.pt")
     return workdir
 
@@ -79,7 +82,8 @@ def launched(folders) -> tuple[Path, list[dict], list[dict]]:
 def test_a_model_sharded_over_two_processes_reads_as_one(launched, name):
     """Each rank holds its share of q_proj's rows and of the cache's keys and values (the world size read from the
     ranks); the logits are one process's within 1e-5, the 16 greedy tokens equal, and with the block memory every
-    rank chooses the blocks one process chooses."""
+    rank chooses the blocks one process chooses: a Llama converted to full, sliding + 4 sinks, sliding or blockwise
+    + 4 sinks + a memory, and a Gemma 3 (local layers with their own window, q/k norms) with sinks and a memory."""
     workdir, summaries, tensors = launched
     world = summaries[0]["world_size"]
     assert world == 2 and len(summaries) == world
@@ -87,13 +91,14 @@ def test_a_model_sharded_over_two_processes_reads_as_one(launched, name):
                      torch.load(workdir / "prompt.pt", weights_only=True))
     for summary, logits in zip(summaries, tensors):
         share = summary[name]
-        assert share["q_proj_rows"] * world == share["q_proj_rows_in_all"] == 4 * 16
+        assert share["q_proj_rows"] * world == share["q_proj_rows_in_all"] == (4 * 8 if "gemma3" in name else 4 * 16)
         assert share["cache_bytes"] * world == single["cache_bytes"]
         torch.testing.assert_close(logits[name], single["logits"], atol=1e-5, rtol=0)
         assert share["tokens"] == single["tokens"].tolist()
         assert share["blocks"] == single["blocks"]
-    if name.endswith("memory"):
-        assert len(single["blocks"]) == 3 and all(len(row[0]) == 3 for row in single["blocks"].values())
+    if name.endswith("memory"):  # every layer chose (Gemma 3: its 2 global layers), 3 blocks each
+        assert len(single["blocks"]) == (2 if "gemma3" in name else 3)
+        assert all(len(row[0]) == 3 for row in single["blocks"].values())
 
 
 def torchrun(processes: int, *command: str) -> subprocess.CompletedProcess:
