@@ -215,12 +215,19 @@ SPLIT_POSITION_METHODS = ("xpos", "rope", "decay", "none", "sinusoidal")  # no t
 def refuse_what_parallelism_cannot_split(config: LexConfig, policy: ReadingPolicy, distributed) -> None:
     """What transformers' parallelism (its `DistributedConfig`) cannot compute as one process does, refused by name.
 
-    Tensor parallel splits each layer by heads (LexConfig.base_model_tp_plan): TorchScale's sub-LayerNorms normalise
-    across all heads and the MLP's whole width, and the bias of ALiBi, Sandwich and KERPLE is made for every head.
+    Tensor parallel splits each layer by whole heads (LexConfig.base_model_tp_plan), so the number of ranks must
+    divide the query and the key/value heads; TorchScale's sub-LayerNorms normalise across all heads and the MLP's
+    whole width, and the bias of ALiBi, Sandwich and KERPLE is made for every head.
     Pipeline parallel hands a stage's hidden states to the next as its input embeddings: embeddings that the model
     scales, adds positions to or normalises after the lookup would be changed twice, and the block memory's choice,
     which adds up the scores of the layers below, would miss those of the earlier stages."""
     tp, pp = distributed.tp_size, distributed.pp_size or 1
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if tp > 1 and (heads % tp or kv_heads % tp):
+        allowed = [n for n in range(1, kv_heads + 1) if heads % n == 0 and kv_heads % n == 0]
+        raise ValueError(f"LexConfig.num_attention_heads={heads} and num_key_value_heads={kv_heads} with tensor "
+                         f"parallel (tp_size={tp}): each rank holds whole heads, so tp_size must divide both "
+                         f"(allowed: {', '.join(map(str, allowed))})")
     if tp > 1 and config.subln:
         raise ValueError(f"LexConfig.subln=True with tensor parallel (tp_size={tp}): the sub-LayerNorms normalise "
                          "across every head and the MLP's whole width, which no rank holds (allowed: subln=False, "

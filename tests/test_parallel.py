@@ -167,3 +167,27 @@ def test_a_pipeline_of_two_stages_reads_as_one_process(folders):
     refused = run_script(folders, "pp", "sliding_sinks_memory")
     assert refused.returncode != 0
     assert "LexConfig.attention_memory_blocks=3 with pipeline parallel (pp_size=2)" in refused.stderr
+
+
+@pytest.mark.parametrize("fields, distributed, message", [
+    (dict(num_attention_heads=9, num_key_value_heads=3, hidden_size=72), dict(tp_size=2, pp_size=1),
+     r"num_attention_heads=9 and num_key_value_heads=3 with tensor parallel \(tp_size=2\).*allowed: 1, 3"),
+    (dict(subln=True), dict(tp_size=2, pp_size=1), r"subln=True with tensor parallel \(tp_size=2\)"),
+    (dict(position_embedding_type="alibi"), dict(tp_size=2, pp_size=1),
+     r"position_embedding_type='alibi' with tensor parallel .*allowed: xpos, rope, decay, none, sinusoidal"),
+    (dict(attention_mode="sliding", attention_memory_blocks=2), dict(tp_size=1, pp_size=2),
+     r"attention_memory_blocks=2 with pipeline parallel \(pp_size=2\)"),
+    (dict(embedding_scale=8.0), dict(tp_size=1, pp_size=2), r"embedding_scale=8.0.*with pipeline parallel"),
+])
+def test_what_a_split_cannot_compute_is_refused_by_name(fields, distributed, message):
+    """As transformers sets it on a model it shards (`config.distributed_config`), checked at the first forward on
+    every rank: uneven heads, a norm or a bias over every head (tensor parallel), the memory's choice across stages
+    and embeddings changed after the lookup (pipeline parallel)."""
+    from types import SimpleNamespace
+
+    from tests.helpers import tiny_config
+
+    model = LexForCausalLM(tiny_config(**{"num_attention_heads": 4, "num_key_value_heads": 2, **fields})).eval()
+    model.config.distributed_config = SimpleNamespace(**distributed)
+    with pytest.raises(ValueError, match=message):
+        model(torch.tensor([[1, 2, 3]]))
