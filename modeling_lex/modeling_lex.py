@@ -162,7 +162,7 @@ class LexAttention(nn.Module):
     def tensor_parallel_group(self) -> ProcessGroup | None:
         """The group of ranks that hold this layer's other heads under tensor parallel (its projections are DTensors
         sharded over a "tp" mesh), else None."""
-        weight = self.q_proj.weight
+        weight = getattr(self.q_proj, "weight", None)  # (quantized projections hold their weights otherwise)
         if not isinstance(weight, DTensor):
             return None
         mesh = weight.device_mesh
