@@ -39,10 +39,9 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer, StaticCache
 
 from .generation import init_cache_layers
-from .memory import BlockMemory, Evidence, MemoryStep, OpenStep
+from .memory import BlockMemory, Evicted, OpenStep
 from .reading import CacheRequest, ReadingPolicy
 from .stream import ForwardRecord, Stream, _mark_static
-from .positions import apply_rotary
 
 
 def _gather_columns(x: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
@@ -72,15 +71,14 @@ class LexCacheLayer(DynamicLayer):
     A forward's `update` writes the new keys after the window part, in place where DynamicLayer's torch.cat copies
     every held key at every step, and returns the sink slots, the window part and the new keys as one contiguous
     span for attention to read. That changes nothing held: `commit` does, with the record's sink slots and last
-    `keep` window keys. A decoding step that sees its sinks in the cache's frame (RoPE) reads them rotated by the
-    request's `sink_rotation`, which `update` writes over the buffer's copy of the sink slots (kernels.py never
-    writes a tensor the cache returned); the slots' raw contents are kept apart (`_sinks`) and written back when
-    the forward's step ends (commit or discard), and until then `keys` reads them from there. Under autograd the
-    buffers are never written in place.
+    `keep` window keys. A decoding step that sees its sinks in the cache's frame (RoPE) turns them in the buffer's
+    copy of the sink slots, which the request lends it (`sinks_lent`; attention writes nothing else the cache
+    returned); the slots' raw contents are kept apart (`_sinks`) and written back when the forward's step ends
+    (commit or discard), and until then `keys` reads them from there. Under autograd the buffers are never written
+    in place.
 
-    With a block memory (memory.py), the keys and values `commit` drops go there, with the choice the layer read
-    in the forward (`LexCache.read` returns its blocks apart from the span, held in the memory's frame, so that a
-    decoding step neither rotates nor copies them)."""
+    With a block memory (memory.py), the keys and values `commit` drops go there when the step ends, with the
+    choice the layer read in the forward (`OpenStep.close`, once for every layer)."""
 
     def __init__(self, memory: BlockMemory | None = None) -> None:
         self._window: list[tuple[torch.Tensor, int, int] | None] = [None, None]  # keys, values: (buffer, begin, end)
@@ -110,10 +108,10 @@ class LexCacheLayer(DynamicLayer):
         sinks = self._sinks[which]
         return 0 if sinks is None else sinks.shape[2]
 
-    def _front_rotated(self, which: int) -> bool:
-        """Whether the buffer's copy of the sink slots is rotated: the sink keys, in a forward that reads them in the
-        cache's frame (between `update` and the step's end)."""
-        return which == 0 and self._request is not None and self._request.sink_rotation is not None
+    def _front_lent(self, which: int) -> bool:
+        """Whether the buffer's copy of the sink slots is lent to attention, which turns it: the sink keys, in a
+        forward that reads them in the cache's frame (between `update` and the step's end)."""
+        return which == 0 and self._request is not None and self._request.sinks_lent
 
     def _held(self, which: int) -> torch.Tensor | None:
         """The sink slots followed by the window part, raw (a view of the buffer, a new tensor while rotated)."""
@@ -121,7 +119,7 @@ class LexCacheLayer(DynamicLayer):
         if span is None:
             return None
         buffer, begin, end = span
-        if self._front_rotated(which):
+        if self._front_lent(which):
             return torch.cat([self._sinks[0], buffer[:, :, begin:end]], dim=2)
         return buffer[:, :, begin - self._slots(which) : end]
 
@@ -147,21 +145,20 @@ class LexCacheLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._request = request
-        return self._span(0, key_states, request.sink_rotation), self._span(1, value_states, None)
+        return self._span(0, key_states), self._span(1, value_states)
 
-    def _span(self, which: int, new: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
-        """The sink slots (rotated by `rotation`), the window part and `new` as one span: `new` written after the
-        window part (where there is no room, the sink slots and the window part move, to the front of the buffer or
-        of a new one with room to grow; what they hold stays the same); concatenated under autograd."""
+    def _span(self, which: int, new: torch.Tensor) -> torch.Tensor:
+        """The sink slots, the window part and `new` as one span: `new` written after the window part (where there
+        is no room, the sink slots and the window part move, to the front of the buffer or of a new one with room to
+        grow; what they hold stays the same); concatenated under autograd."""
         sinks, count = self._sinks[which], self._slots(which)
-        front = sinks if rotation is None else apply_rotary(sinks, rotation)
         buffer, begin, end = self._window[which] or (new[:, :, :0], 0, 0)
         if new.requires_grad or buffer.requires_grad:
             self._joined[which] = torch.cat([buffer[:, :, begin:end], new], dim=2)
-            return self._joined[which] if sinks is None else torch.cat([front, self._joined[which]], dim=2)
+            return self._joined[which] if sinks is None else torch.cat([sinks, self._joined[which]], dim=2)
         self._joined[which] = None
         stop = end + new.shape[2]
-        rewrite = rotation is not None
+        rewrite = False
         if stop > buffer.shape[2]:  # no room after the window part
             length = count + stop - begin
             room = buffer if length <= buffer.shape[2] else _with_room(new, length)
@@ -170,15 +167,15 @@ class LexCacheLayer(DynamicLayer):
             self._window[which] = (buffer, begin, end)
         buffer[:, :, end:stop] = new
         if count and rewrite:
-            buffer[:, :, begin - count : begin] = front
+            buffer[:, :, begin - count : begin] = sinks
         return buffer[:, :, begin - count : stop]
 
-    def commit(self, record: ForwardRecord) -> None:
+    def commit(self, record: ForwardRecord) -> Evicted | None:
         """Hold what the record says: the sink slots' new contents (taken from the raw keys the forward read, sink
-        slots first), then the last `keep` keys of the window part with the forward's new keys; with a block
-        memory, the keys the window part drops (and the memory holds the choice the layer read)."""
+        slots first), then the last `keep` keys of the window part with the forward's new keys. With a block
+        memory, returns the keys and values the window part drops, for the memory (`OpenStep.close`)."""
         if not self.is_initialized:
-            return
+            return None
         request = self._request
         evicted = []
         for which in (0, 1):
@@ -189,19 +186,18 @@ class LexCacheLayer(DynamicLayer):
             else:
                 buffer, begin, end = self._window[which]
                 end += record.new_tokens
-            if self.memory is not None:  # the keys that leave the window part, without positions
-                dropped = buffer[:, :, begin : begin + record.dropped]  # (copied: `_hold` may write over them)
-                unrotate = request.memory_unrotate if which == 0 and request is not None else None
-                evicted.append(dropped.clone() if unrotate is None else apply_rotary(dropped, unrotate))
+            if self.memory is not None:  # the keys that leave the window part (copied: `_hold` may write over them)
+                evicted.append(buffer[:, :, begin : begin + record.dropped].clone())
             if record.sink_source is not None:  # (not while decoding once the window has moved past the sinks)
                 read = buffer[:, :, begin:end] if sinks is None else torch.cat([sinks, buffer[:, :, begin:end]], dim=2)
                 sinks = _gather_columns(read, record.sink_source)
             first = begin if record.keep is None else end - record.keep
-            rewrite = record.sink_source is not None or first != begin or self._front_rotated(which)
+            rewrite = record.sink_source is not None or first != begin or self._front_lent(which)
             self._hold(which, buffer, first, end, sinks, rewrite)
         self._request = None
-        if self.memory is not None:
-            self.memory.commit(tuple(evicted))
+        if self.memory is None:
+            return None
+        return Evicted(*evicted, None if request is None else request.memory_unrotate)
 
     def _hold(self, which: int, buffer: torch.Tensor, first: int, end: int, sinks: torch.Tensor | None,
               rewrite: bool) -> None:
@@ -224,14 +220,12 @@ class LexCacheLayer(DynamicLayer):
         self._window[which] = (buffer, first, end)
 
     def discard(self) -> None:
-        """The forward raised: drop what it read, and write the raw sink keys back over the buffer's copy where the
-        forward rotated it."""
-        if self._front_rotated(0) and self._joined[0] is None:
+        """The forward raised: drop what it read, and write the raw sink keys back over the buffer's copy where it
+        was lent."""
+        if self._front_lent(0) and self._joined[0] is None:
             buffer, begin, _ = self._window[0]
             buffer[:, :, begin - self._slots(0) : begin] = self._sinks[0]
         self._joined, self._request = [None, None], None
-        if self.memory is not None:
-            self.memory.discard()
 
     def keep_window(self, keep: int, sink_source: torch.Tensor | None = None) -> None:
         """Hold only the last `keep` keys of the window part (a crop), the sink slots taken from `sink_source`
@@ -286,10 +280,9 @@ class LexCacheSteps:
                 layer.discard()
             self._close()
             raise
-        for layer in self.layers:
-            layer.commit(record)
+        evicted = [layer.commit(record) for layer in self.layers]
         self.stream.commit(record)
-        self._close(record)
+        self._close(record, evicted)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                request: CacheRequest | None = None, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -300,8 +293,9 @@ class LexCacheSteps:
     def _open(self, record: ForwardRecord) -> None:
         """What the cache keeps for the length of one forward (nothing, but for the block memory's evidence)."""
 
-    def _close(self, record: ForwardRecord | None = None) -> None:
-        """The forward's step ended: committed (`record`) or discarded (None)."""
+    def _close(self, record: ForwardRecord | None = None, evicted: list[Evicted | None] | None = None) -> None:
+        """The forward's step ended: committed (`record`, with what each layer `evicted` for its block memory) or
+        discarded (None)."""
 
 
 class LexCache(LexCacheSteps, DynamicCache):
@@ -371,17 +365,10 @@ class LexCache(LexCacheSteps, DynamicCache):
     def _open(self, record: ForwardRecord) -> None:
         """A forward that reads the block memory starts its evidence from what the last one that chose found; its
         layers' memories read it (`OpenStep`) until the step ends."""
-        read, step = record.context.memory, None
-        if read is not None:
-            carried = torch.zeros(read.candidates.shape, device=read.candidates.device)
-            if self.memory_evidence is not None:  # (blocks complete since then: nothing carried)
-                carried[:, : self.memory_evidence.shape[1]] = self.memory_evidence
-            step = MemoryStep(read, Evidence(carried))
-        self._open_step.step = step
+        self._open_step.open(record.context.memory, self.memory_evidence)
 
-    def _close(self, record: ForwardRecord | None = None) -> None:
-        step, self._open_step.step = self._open_step.step, None
-        found = None if record is None or step is None else step.evidence.found()
+    def _close(self, record: ForwardRecord | None = None, evicted: list[Evicted | None] | None = None) -> None:
+        found = self._open_step.close([layer.memory for layer in self.layers], evicted if record else None)
         if found is not None:  # a forward that chose: what it found is what the next one starts from
             self.memory_evidence = found
 
@@ -495,16 +482,15 @@ class LexStaticLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._joined = torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
-        keys, rotation = self._joined[0], request.sink_rotation
-        if rotation is not None:  # the sinks seen in the cache's frame: a rotated copy, the slots stay raw
-            keys = torch.cat([apply_rotary(keys[:, :, : self.sink_slots], rotation), keys[:, :, self.sink_slots :]],
-                             dim=2)
+        keys = self._joined[0]
+        if request.sinks_lent:  # attention turns the sinks in what it is given: a copy, the slots stay raw
+            keys = keys.clone()
         return keys, self._joined[1]
 
     def commit(self, record: ForwardRecord) -> None:
         """Write the slots in place: the sink slots' new contents where the record says, the latest window keys."""
         if not self.is_initialized:
-            return
+            return None
         for buffer, joined in zip((self.keys, self.values), self._joined):
             if record.sink_source is not None:
                 buffer[:, :, : self.sink_slots].copy_(_gather_columns(joined, record.sink_source))

@@ -28,13 +28,14 @@ import os
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from .positions import apply_rotary
+from .kernels import apply_rotary
 from .reading import MemoryRead, ReadingPolicy
 
 
@@ -233,11 +234,54 @@ class MemoryStep:
     evidence: Evidence
 
 
+class Evicted(NamedTuple):
+    """The keys and values (B, H, n, d) one layer's window part dropped in a forward, and what undoes their rotation
+    (`CacheRequest.memory_unrotate`; None: held raw)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    unrotate: torch.Tensor | None
+
+
 class OpenStep:
     """The forward open now, shared by every layer's memory of one cache: its `MemoryStep`, None between forwards
-    and in a forward that reads nothing of the memory. The cache sets it when a forward's step opens and ends."""
+    and in a forward that reads nothing of the memory. The cache opens it when a forward's step opens and closes
+    it when the step ends, for every layer's memory at once."""
 
     step: MemoryStep | None = None
+
+    def open(self, read: MemoryRead | None, found: torch.Tensor | None) -> None:
+        """A forward that reads the memory (`read`; None: it reads nothing) starts its evidence from what the last
+        forward that chose `found` ((B, blocks then), one layer's worth; blocks completed since then start at 0)."""
+        if read is None:
+            self.step = None
+            return
+        carried = torch.zeros(read.candidates.shape, device=read.candidates.device)
+        if found is not None:
+            carried[:, : found.shape[1]] = found
+        self.step = MemoryStep(read, Evidence(carried))
+
+    def close(self, memories: list["BlockMemory | None"], evicted: list[Evicted | None] | None
+              ) -> torch.Tensor | None:
+        """The step ended. With what each layer `evicted` (the forward completed), each layer's memory holds its
+        evicted keys and values (rotated back to position 0, all layers in one product) and the choice it read;
+        with None (the forward raised), every memory drops what it read. Returns what a forward that chose found
+        (`Evidence.found`), else None."""
+        step, self.step = self.step, None
+        if evicted is None:
+            for memory in memories:
+                if memory is not None:
+                    memory.discard()
+            return None
+        held = [(memory, out) for memory, out in zip(memories, evicted) if memory is not None and out is not None]
+        turned = [out for _, out in held if out.unrotate is not None]
+        if turned:
+            keys = apply_rotary(torch.stack([out.keys for out in turned]), turned[0].unrotate).unbind(0)
+            unrotated = dict(zip(map(id, turned), keys))
+            held = [(memory, out._replace(keys=unrotated.get(id(out), out.keys))) for memory, out in held]
+        for memory, out in held:
+            memory.commit((out.keys, out.values))
+        return None if step is None else step.evidence.found()
 
 
 class BlockMemory:
@@ -374,6 +418,6 @@ class BlockMemory:
 
 
 __all__ = [
-    "BlockMemory", "Choice", "Evidence", "MemoryStep", "OpenStep", "block_representatives", "block_scores", "choose_blocks",
+    "BlockMemory", "Choice", "Evicted", "Evidence", "MemoryStep", "OpenStep", "block_representatives", "block_scores", "choose_blocks",
     "choosing_queries", "placed", "readable_blocks",
 ]

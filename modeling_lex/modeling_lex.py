@@ -16,6 +16,7 @@ attention backend (`kernels.py`); `generation.py` owns the coupling to transform
 import contextlib
 import dataclasses
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -38,10 +39,10 @@ from configuration_lex.configuration_lex import LexConfig
 from .cache import LEX_CACHES, LexCache, LexCacheSteps, LexStaticCache
 from .stream import begin_forward
 from .generation import CACHE_NAME, LexGenerationMixin, accepts_both_cache_names
-from .kernels import eager_attention_forward, run_attention
+from .kernels import arrange, attention_map, eager_attention_forward, encode_tokens
 from .reading import AttentionPlan, ReadingPolicy, build_plan
 from .positions import position_method
-from .positions import encode_tokens, sinusoidal_embedding
+from .positions import sinusoidal_embedding
 
 logger = logging.get_logger(__name__)
 ACTIVATIONS = {
@@ -145,7 +146,7 @@ class LexAttention(nn.Module):
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads  # read by the backends
         self.head_dim = config.head_dim
         self.scaling = config.attention_scaling
-        self.softcap = config.attn_logit_softcapping  # read by the kernels (run_attention)
+        self.softcap = config.attn_logit_softcapping
         self.is_causal = True
         size, inner, kv = config.hidden_size, self.num_heads * self.head_dim, self.num_key_value_heads * self.head_dim
         self.q_proj = nn.Linear(size, inner, bias=config.attention_bias)
@@ -187,7 +188,7 @@ class LexAttention(nn.Module):
         query, key = query.transpose(1, 2), key.transpose(1, 2)
         value = self.v_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
         raw_query = query  # (the block memory chooses by the queries before positions)
-        query, key, frame_query = encode_tokens(query, key, plan.token_factors, plan.query_turn)
+        query, key = encode_tokens(query, key, plan.token_factors)
         recalled = None
         if isinstance(cache, LexCacheSteps):
             key, value = cache.update(key, value, self.layer_idx, plan.cache_request)
@@ -196,13 +197,19 @@ class LexAttention(nn.Module):
                 recalled = memory.recall(raw_query, plan.cache_request.memory_frame, self.tensor_parallel_group())
         elif cache is not None:  # a transformers cache: every key of the stream
             key, value = cache.update(key, value, self.layer_idx)
-        dropout = self.config.attention_dropout if self.training else 0.0
-        interface = eager_attention_forward
+        q, k, v, bias = arrange(self, plan, query, key, value, recalled)
         # Maps come from the eager computation, whatever the backend; so do capped scores (SDPA cannot cap them).
-        if not plan.attention_maps and self.softcap is None:
-            interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, interface)
-        output, weights = run_attention(self, interface, query, key, value, plan, dropout, recalled, frame_query,
-                                        **kwargs)
+        implementation = "eager" if plan.attention_maps or self.softcap is not None else self.config._attn_implementation
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+        output, weights = attention_interface(
+            self, q, k, v, None, dropout=self.config.attention_dropout if self.training else 0.0,
+            scaling=self.scaling, position_bias=bias, is_causal=bias is None, softcap=self.softcap, **kwargs,
+        )
+        output = output[..., : self.head_dim]  # (a second copy of each query widens the values: kernels.arrange)
+        if plan.tile.query_slots is not None:  # the chunks, back in the order of the queries
+            output = output.unflatten(0, (batch, -1)).flatten(1, 2)[:, :length]
+        if plan.attention_maps:
+            output, weights = attention_map(plan, output, weights, value, recalled)
         output = output.reshape(batch, length, -1)
         if self.inner_attn_ln is not None:
             output = self.inner_attn_ln(output)
@@ -255,12 +262,10 @@ def without_positions(plan: AttentionPlan) -> AttentionPlan:
     rotations. RoPE's position terms are rotations only: of the new tokens (`token_factors`) and of sinks seen in
     their cache frame (a second query copy, or the sink keys rotated back by the kernel or by the cache in its copy
     of its sink slots), so dropping those leaves plain attention under the same masks."""
-    tiles = [dataclasses.replace(tile, sink_query_factors=None, sink_key_rotation=None, memory_place=None,
-                                  memory_query_rotation=None)
-             for tile in plan.tiles]
+    tile = dataclasses.replace(plan.tile, sink_query_factors=None, sink_key_rotation=None, memory_place=None)
     # (the block memory's keys: raw, and raw when evicted)
-    request = dataclasses.replace(plan.cache_request, sink_rotation=None, memory_frame=None, memory_unrotate=None)
-    return dataclasses.replace(plan, tiles=tiles, token_factors=None, query_turn=None, cache_request=request)
+    request = dataclasses.replace(plan.cache_request, sinks_lent=False, memory_frame=None, memory_unrotate=None)
+    return dataclasses.replace(plan, tile=tile, token_factors=None, cache_request=request)
 
 
 class LexDecoderLayer(GradientCheckpointingLayer):

@@ -45,7 +45,7 @@ def rotary_factors(
     complex number (cos, sin) of p*theta_i (1 when `inverse_frequencies` is None) scaled by exp(p * log_decay_i)
     (xPos: log(zeta_i)/B for queries, minus that for keys; none when None) and by `scale` (yarn's attention factor).
 
-    `apply_rotary` multiplies each pair of x, read as a complex number, by it. Angles and powers are taken in
+    `kernels.apply_rotary` multiplies each pair of x, read as a complex number, by it. Angles and powers are taken in
     float64 from integer positions, so the scale folded in costs nothing when applying them.
     """
     device = relative_positions.device
@@ -59,37 +59,6 @@ def rotary_factors(
         sin = torch.zeros_like(cos)
     factor = (positions * log_decay.to(device)).exp() * scale if log_decay is not None else scale
     return torch.stack((cos * factor, sin * factor), dim=-1).to(torch.float32).flatten(-2)
-
-
-def inverse_rotation(factors: torch.Tensor) -> torch.Tensor:
-    """The factors of the inverse of a pure rotation (complex conjugates: the sines negated)."""
-    return (factors.unflatten(-1, (-1, 2)) * factors.new_tensor([1.0, -1.0])).flatten(-2)
-
-
-def apply_rotary(x: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
-    """x (..., head_dim) with each interleaved pair (x0, x1), read as the complex number x0 + i x1, multiplied by
-    its factor from `rotary_factors`: TorchScale's rotation (x0 cos - x1 sin, x1 cos + x0 sin) and scale, taken in
-    float32. Eager, as one complex product: one pass over x, where the real form takes four element-wise ops, each
-    reading and writing all of it; compiled, in the real form, which inductor fuses into one kernel (it generates
-    no code for complex numbers, torch 2.13)."""
-    pairs, f = x.float().unflatten(-1, (-1, 2)), factors.unflatten(-1, (-1, 2))
-    if torch.compiler.is_compiling():
-        x0, x1, cos, sin = pairs[..., 0], pairs[..., 1], f[..., 0], f[..., 1]
-        product = torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1)
-    else:
-        product = torch.view_as_real(torch.view_as_complex(pairs) * torch.view_as_complex(f))
-    return product.flatten(-2).to(x.dtype)
-
-
-def encode_tokens(query: torch.Tensor, key: torch.Tensor, factors: torch.Tensor | None,
-                  turn: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The new tokens' queries and keys (B, H, T, d) encoded at their own positions by per-token `factors` (B, 1,
-    T, d), as Llama's apply_rotary_pos_emb (RoPE: the cache then holds encoded keys); unchanged where a method is
-    not per token (None: the plan's tiles carry its terms). Third: the encoded queries turned once more by `turn`
-    (B, 1, 1, d), into the block memory's frame (`AttentionPlan.query_turn`), or None without a turn."""
-    if factors is not None:
-        query, key = apply_rotary(query, factors), apply_rotary(key, factors)
-    return query, key, None if turn is None else apply_rotary(query, turn)
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:

@@ -285,7 +285,10 @@ class CacheRequest:
     """What a layer hands a LEX cache with its new keys (`cache.update(key, value, layer_idx, request)`), the same
     for every layer of a forward. Other caches take it as an extra argument they ignore."""
 
-    sink_rotation: torch.Tensor | None = None  # the rotation of the cache's copy of its sink slots (RoPE), if any
+    # A decoding step that turns its sinks to the query (RoPE) turns the copy of the sink slots the cache returns
+    # before its window part, in place (kernels.arrange): the cache lends that copy and writes the raw slots back
+    # when the step ends.
+    sinks_lent: bool = False
     # With a block memory (RoPE; None otherwise and in layers without positions): (1, 1, k * b, d), the rotation of
     # raw memory keys to their places in the frame (ReadingPolicy.memory_frame), applied once per choice, so the
     # memory holds the blocks it read so; and (B, 1, dropped, d), what undoes the rotation of the keys this forward
@@ -314,7 +317,6 @@ class Tile:
     key_slice: slice | None = None
     sink_columns: torch.Tensor | None = None  # (B, S)
     query_slots: torch.Tensor | None = None  # (chunks, b)
-    first_query: int = 0  # the chunked tile's first query (its outputs start there)
     key_columns: torch.Tensor | None = None  # (chunks, span) or (B, chunks, span)
     # Sinks seen from a frame of their own (ReadingPolicy.sink_frame) by a rotary method: the first
     # `n_sinks` key columns are met by a second copy of each query, encoded in the sink frame by these factors.
@@ -323,30 +325,26 @@ class Tile:
     # A dense tile of one query per row (a decoding step) under per-token RoPE: the sink keys rotated back by the
     # query's shift instead (R(a)q . k = q . R(-a)k), so no second copy of the query is needed: these are the
     # factors of R(-a), which the kernel applies to the tile's copy of the sink keys. Where the sink columns are the
-    # cache's own sink slots (`sinks_in_slots`), the cache applies them instead, to the copy of its sink slots it
-    # puts before its window part (`AttentionPlan.cache_request`, cache.py), and the tile reads the keys and values
-    # the cache returned as one span, without a mask.
+    # cache's own sink slots (`sinks_in_slots`), the tile reads the keys and values the cache returned as one span,
+    # without a mask, and the kernel turns the copy of the sink slots the cache lends it (`CacheRequest.sinks_lent`).
     sink_key_rotation: torch.Tensor | None = None
     sinks_in_slots: bool = False
-    # The block memory's key columns (memory.py), which the cache returns apart (`recall`), after the window
-    # part's: met by the second copy of each query, where there is one; per-token RoPE keys turned into place.
+    # The block memory's key columns (memory.py: `recall`), after the window part's: met by the second copy of each
+    # query, where there is one; per-token RoPE keys turned from the memory's frame into the tile's.
     n_memory: int = 0
     memory_place: torch.Tensor | None = None  # (B, 1, 1, d): from the memory's frame to the tile's (_memory_terms)
-    memory_query_rotation: torch.Tensor | None = None  # (B, 1, 1, d): one query per row turned into the frame
 
 
 @dataclass
 class AttentionPlan:
-    """What every layer of one forward runs: the tiles, and what each layer hands its cache with its keys."""
+    """What every layer of one forward runs: its one tile (one call of the attention backend), and what each layer
+    hands its cache with its keys."""
 
-    tiles: list[Tile]
+    tile: Tile | None
     sink_slots: int  # the cache's sink slots, which come first among the keys it returns
-    attention_maps: bool = False  # one dense tile over every key, whose weights are the full attention map
-    token_factors: torch.Tensor | None = None  # (B, 1, T, d): per-token encodings (RoPE; xpos.encode_tokens)
-    # (B, 1, 1, d): a decoding step's one query per row turned into the block memory's frame (RoPE; encode_tokens),
-    # where it meets the memory's keys as the memory holds them (kernels.py)
-    query_turn: torch.Tensor | None = None
-    cache_request: CacheRequest | None = None  # what every layer hands its cache (set with the tiles)
+    attention_maps: bool = False  # a dense tile over every key, whose weights are the full attention map
+    token_factors: torch.Tensor | None = None  # (B, 1, T, d): per-token encodings (RoPE; positions.encode_tokens)
+    cache_request: CacheRequest | None = None  # what every layer hands its cache (set with the tile)
 
 
 def additive_mask(allowed: torch.Tensor | None, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -472,11 +470,11 @@ def _dense_tile(
                               and bool((sink_columns == torch.arange(n_sinks, device=sink_columns.device)).all()))
         elif sink_query_factors is not None:
             sink_query_factors = sink_query_factors.unsqueeze(1)
-    memory_place = memory_query_rotation = None
+    memory_place = None
     n_memory = 0
     if memory is not None:
         origin = sink_positions[:, :1] - frame[1][0] if frame is not None else policy.memory_tokens
-        factors, bias, distance, sink_query_factors, memory_place, memory_query_rotation = _memory_terms(
+        factors, bias, distance, sink_query_factors, memory_place = _memory_terms(
             position_method, (factors, bias, distance, sink_query_factors), policy, ctx, queries, origin)
         n_memory = memory.token_valid.shape[1]
     if factors is not None:
@@ -496,34 +494,33 @@ def _dense_tile(
     return Tile(factors, additive_mask(allowed, bias, dtype), distance, query_slice=queries, key_slice=keys,
                 sink_columns=sink_columns, sink_query_factors=sink_query_factors, n_sinks=n_sinks,
                 sink_key_rotation=sink_key_rotation, sinks_in_slots=sinks_in_slots, n_memory=n_memory,
-                memory_place=memory_place, memory_query_rotation=memory_query_rotation)
+                memory_place=memory_place)
 
 
 def _memory_terms(position_method: PositionMethod, terms: tuple, policy: ReadingPolicy, ctx: AttentionContext, queries: slice,
                   origin):
     """The position terms of the block memory's k * b key columns (after the window part), in the frame
-    (ReadingPolicy.memory_frame). Returns (factors, bias, distance, sink_query_factors, memory_place,
-    memory_query_rotation).
+    (ReadingPolicy.memory_frame). Returns (factors, bias, distance, sink_query_factors, memory_place).
 
     A method that is not per token gets their terms in the frame, met by the query's second copy (the sinks' own,
     or made here). Per-token RoPE: the memory holds its keys at their frame places (`CacheRequest.memory_frame`), and
     `memory_place` (B, 1, 1, d) turns them by one shift to where the queries meet them, where the query meets its
     sinks through a second copy shifted into the frame: by `origin` (the position the sinks' frame puts frame place
-    0 at: their first position plus S + k * b, or k * b without sinks), as the sinks' keys sit. One query per row
-    is turned into the frame instead (`memory_query_rotation`: by its place in the frame less its position), so
-    that it meets the keys where the memory holds them (kernels.py)."""
+    0 at: their first position plus S + k * b, or k * b without sinks). One query per row has no second copy (its
+    sinks are turned to it): the keys are turned by its position less its place in the frame (R(a)q . k = q .
+    R(-a)k)."""
     factors, bias, distance, query_factors = terms
     q_index, start = ctx.query_index[queries][None], ctx.document_start[:, queries]
     q_frame, k_frame = policy.memory_frame(q_index, start)  # (B, T), (M,)
     if position_method.per_token:
         q_positions = ctx.query_positions[:, queries]
         if q_positions.shape[1] == 1:
-            turn = position_method.shift_factors(q_frame - q_positions).unsqueeze(1)
-            return factors, bias, distance, query_factors, None, turn
+            return factors, bias, distance, query_factors, position_method.shift_factors(q_positions - q_frame
+                                                                                         ).unsqueeze(1)
         shift = origin if torch.is_tensor(origin) else torch.full_like(q_positions[:, :1], origin)
         if query_factors is None:
             query_factors = position_method.shift_factors(q_frame + origin - q_positions).unsqueeze(1)
-        return factors, bias, distance, query_factors, position_method.shift_factors(shift).unsqueeze(1), None
+        return factors, bias, distance, query_factors, position_method.shift_factors(shift).unsqueeze(1)
     memory = position_method.terms(q_frame, k_frame.expand(q_frame.shape[0], -1))
     if memory.factors is not None:
         if query_factors is None:
@@ -533,7 +530,7 @@ def _memory_terms(position_method: PositionMethod, terms: tuple, policy: Reading
         bias = torch.cat([bias, memory.bias], dim=-1)
     if memory.distance is not None:
         distance = torch.cat([distance, memory.distance], dim=-1)
-    return factors, bias, distance, query_factors, None, None
+    return factors, bias, distance, query_factors, None
 
 
 def _sees_every_key(allowed: torch.Tensor) -> bool:
@@ -588,66 +585,31 @@ def _chunked_tile(
                 sink_query_factors=sink_query_factors, n_sinks=n_sinks)
 
 
-def _uniform_chunked_tile(
-    policy: ReadingPolicy, position_method: PositionMethod, ctx: AttentionContext, dtype: torch.dtype, first: int
-) -> Tile:
-    """Queries from `first` on, in chunks of one block, when every chunk sees the same pattern: one document from stream
-    index 0 with consecutive positions and no padding, chunks aligned with blocks, every reachable key present
-    and no sinks. Position factors, mask and bias are then one (b, L + b) pattern broadcast over all chunks."""
-    total, n_keys = ctx.query_positions.shape[1], ctx.key_positions.shape[1]
-    block = policy.block
-    left = block if policy.mode == "blockwise" else policy.window - 1
-    device = ctx.query_positions.device
-    query_slots, key_slots, _ = chunk_map(total - first, n_keys, block, left, device)
-    q_rel = torch.arange(block, device=device)[None]
-    k_rel = torch.arange(-left, block, device=device)[None]
-    factors, bias, distance = _terms(position_method, q_rel, k_rel)
-    if factors is not None:
-        factors = tuple(f.unsqueeze(1) for f in factors)  # (1, 1, len, d)
-    q_index = first + q_rel[0, :, None]
-    k_index = first + k_rel[0, None, :]
-    allowed = policy.visible(q_index, k_index, torch.zeros((), dtype=torch.long, device=device))
-    return Tile(factors, additive_mask(allowed[None, None], bias, dtype), distance, query_slots=first + query_slots,
-                first_query=first, key_columns=key_slots)
-
-
 def build_plan(
     policy: ReadingPolicy, position_method: PositionMethod, ctx: AttentionContext, dtype: torch.dtype,
     attention_maps: bool = False,
 ) -> AttentionPlan:
-    """Choose the tiles for this forward. For n <= w all modes are the same computation (one causal tile).
+    """The forward's one tile. Up to w queries, a caller's own 4D mask (O(T * K) already), attention maps and full
+    attention: one dense tile, plainly causal where nothing else is seen (as Llama reads). Past w queries in the
+    blockwise and sliding modes: the queries in chunks of one block, each against the keys it can reach, so the
+    work and the mask are O(T * (w + b)).
 
     `attention_maps`: one dense tile over every key (O(T * keys) memory, the caller's choice), so each layer's
     attention weights are the full (batch, heads, T, keys) map.
     """
     total, n_keys = ctx.query_positions.shape[1], ctx.key_positions.shape[1]
-    window = policy.window
     memory = ctx.memory if policy.memory_tokens else None  # (a local layer reads none)
-    plan = AttentionPlan([], ctx.sink_index.shape[1], attention_maps)
+    plan = AttentionPlan(None, ctx.sink_index.shape[1], attention_maps)
     if position_method.per_token:
         plan.token_factors = position_method.token_factors(ctx.query_positions).unsqueeze(1)
-    if total <= window or attention_maps or ctx.allowed is not None:  # a 4D mask is O(T * K) already
+    if total <= policy.window or attention_maps or ctx.allowed is not None or policy.mode == "full":
         plain = ctx.plain and not attention_maps
-        plan.tiles = [_dense_tile(policy, position_method, ctx, slice(0, total), slice(0, n_keys), dtype, plain,
-                                  memory)]
-    elif policy.mode != "full":
-        if ctx.plain and ctx.aligned and not policy.sinks:  # w queries plainly causal, then one pattern
-            first = _dense_tile(policy, position_method, ctx, slice(0, window), slice(0, window), dtype, plain=True)
-            plan.tiles = [first, _uniform_chunked_tile(policy, position_method, ctx, dtype, window)]
-        else:
-            plan.tiles = [_chunked_tile(policy, position_method, ctx, dtype, ctx.aligned)]
+        plan.tile = _dense_tile(policy, position_method, ctx, slice(0, total), slice(0, n_keys), dtype, plain, memory)
     else:
-        cached = n_keys - total
-        plan.tiles = [
-            _dense_tile(policy, position_method, ctx, slice(start, min(start + window, total)),
-                        slice(0, cached + min(start + window, total)), dtype, plain=False)
-            for start in range(0, total, window)
-        ]
-    first = plan.tiles[0]
-    if not attention_maps:
-        plan.query_turn = first.memory_query_rotation
+        plan.tile = _chunked_tile(policy, position_method, ctx, dtype, ctx.aligned)
     frame, unrotate = _memory_rotations(policy, position_method, ctx, memory)
-    plan.cache_request = CacheRequest(sink_rotation=first.sink_key_rotation if first.sinks_in_slots else None,
+    tile = plan.tile
+    plan.cache_request = CacheRequest(sinks_lent=tile.sinks_in_slots and tile.sink_key_rotation is not None,
                                       memory_frame=frame, memory_unrotate=unrotate)
     return plan
 

@@ -7,6 +7,7 @@ from dataclasses import fields
 
 import pytest
 import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import modeling_lex.modeling_lex as modeling
 from modeling_lex import LexCache, LexStaticCache
@@ -120,30 +121,54 @@ def test_reading_keys_and_values_changes_nothing(mode, sinks, rule, kind):
 
 @pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
 @pytest.mark.parametrize("mode, sinks, rule, kind", CASES)
-def test_attention_never_writes_what_the_cache_returned(mode, sinks, rule, kind, cache_kind, monkeypatch):
-    """The keys and values each layer's attention receives from the cache (views of its buffers) keep their
-    version counters through attention, over a prompt and decoding steps that read sink slots in either frame:
-    attention writes none of them."""
+def test_attention_writes_only_the_sink_slots_the_cache_lends(mode, sinks, rule, kind, cache_kind, monkeypatch):
+    """Of the keys and values each layer's attention receives from the cache (views of its buffers), over a prompt
+    and decoding steps that read sink slots in either frame, attention (the tile's arrangement and the backend's
+    call) writes only the copy of the sink slots the request lends it (`CacheRequest.sinks_lent`), and after the
+    step the cache holds the raw sink keys there again."""
     model = model_for(mode, sinks, rule, kind)
     ids = prompt(2, 3 * W)
-    calls, written = [], []
-    original = modeling.run_attention
+    calls, written, arranged, lent = [], [], [], []
+    original = modeling.arrange
 
-    def watched(module, interface, query, key, value, plan, *args, **kwargs):
-        versions = key._version, value._version
-        out = original(module, interface, query, key, value, plan, *args, **kwargs)
-        calls.append(plan.cache_request.sink_rotation is not None)
-        if (key._version, value._version) != versions:
-            written.append(module.layer_idx)
-        return out
+    def watched_arrange(module, plan, query, key, value, *args):
+        slots = plan.sink_slots if plan.cache_request.sinks_lent else 0
+        arranged.append((key, value, key._version, value._version, key[:, :, :slots].clone(),
+                         key[:, :, slots:].clone()))
+        calls.append(bool(slots))
+        return original(module, plan, query, key, value, *args)
 
-    monkeypatch.setattr(modeling, "run_attention", watched)
+    class WatchedInterfaces:
+        """The backend each layer calls, then a look at what the cache returned to it."""
+
+        def get_interface(self, implementation, default):
+            backend = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, default)
+
+            def watched(module, *args, **kwargs):
+                out = backend(module, *args, **kwargs)
+                key, value, key_version, value_version, front, rest = arranged.pop()
+                if value._version != value_version or not torch.equal(key[:, :, front.shape[2] :], rest):
+                    written.append(module.layer_idx)
+                elif key._version != key_version and front.shape[2] == 0:
+                    written.append(module.layer_idx)
+                elif front.shape[2]:
+                    lent.append((module.layer_idx, front))
+                return out
+
+            return watched
+
+    monkeypatch.setattr(modeling, "arrange", watched_arrange)
+    monkeypatch.setattr(modeling, "ALL_ATTENTION_FUNCTIONS", WatchedInterfaces())
     cache = make_cache(cache_kind, model.config)
+    restored = []
     with torch.no_grad():
         model(ids[:, : W + 2], **{CACHE_NAME: cache})
         for step in range(W + 2, ids.shape[1]):
             model(ids[:, step : step + 1], **{CACHE_NAME: cache})
+            restored += [torch.equal(cache.layers[index].keys[:, :, : front.shape[2]], front) for index, front in lent]
+            lent.clear()
     assert written == []
+    assert all(restored)
     assert len(calls) >= model.config.num_hidden_layers * (ids.shape[1] - W - 1)  # the prompt, then each step
     if cache_kind == "dynamic" and sinks and rule == "cache" and kind == "rope":
-        assert any(calls)  # the path that reads the sink slots rotated in the cache's frame ran
+        assert any(calls) and restored  # the path that reads the sink slots turned in the cache's frame ran

@@ -10,16 +10,17 @@ PACKAGES = ("lex_base", "configuration_lex", "modeling_lex", "convert", "lex")
 LAYERS = {"lex_base": -1, "configuration_lex": 0, "modeling_lex": 1, "convert": 2, "lex": 3, "lex.metrics": 4,
           "lex.commands": 4, "lex.cli": 5}
 # The rooms of modeling_lex/, each importing only rooms before it: position encodings, the reading policy and the
-# attention plan made from it, the block memory (retrieval), the stream's bookkeeping and one forward's record, the
-# generate() glue, the caches (storage), the kernels that run a plan, and the model file that reads top to bottom.
+# attention plan made from it, the kernels that apply positions and arrange a plan's tile for the backend, the block
+# memory (retrieval), the stream's bookkeeping and one forward's record, the generate() glue, the caches (storage),
+# and the model file that reads top to bottom.
 MODEL_ROOMS = {
     "modeling_lex.positions": "position formulas and one class per position_embedding_type, in one registry",
     "modeling_lex.reading": "the reading policy (what a query sees, what a cache keeps, spans) and the attention plan",
+    "modeling_lex.kernels": "positions applied, a plan's tile arranged for one backend call, the eager computation",
     "modeling_lex.memory": "retrieval: the block memory's store, its representatives, the choice and its evidence",
     "modeling_lex.stream": "the stream's bookkeeping and one forward's record, made from the caller's inputs",
     "modeling_lex.generation": "every coupling to transformers' generate() loop, with the versions it targets",
     "modeling_lex.cache": "storage: the bounded caches, a forward's step in which each layer's update stores",
-    "modeling_lex.kernels": "the attention backends run over the plan's tiles, reading (never writing) the cache's keys",
     "modeling_lex.modeling_lex": "norm, MLP, attention, layer, model, causal-LM head; the Auto classes",
 }
 # Rooms that hold or change state; the reading policy, the plan and the kernels import none of them.

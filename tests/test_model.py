@@ -15,7 +15,7 @@ import modeling_lex  # noqa: F401  (registers the Auto classes)
 from configuration_lex import ATTENTION_MODES, HIDDEN_ACTS, POSITION_EMBEDDING_TYPES, LexConfig
 from modeling_lex import LexForCausalLM
 from modeling_lex.positions import POSITION_METHODS, position_method
-from modeling_lex.positions import apply_rotary
+from modeling_lex.kernels import apply_rotary
 from tests import reference
 from tests.helpers import assert_rows_equal_reference, left_pad_mask, packed, perturbed_model, tiny_config
 
