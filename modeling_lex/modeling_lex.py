@@ -258,10 +258,10 @@ def refuse_what_parallelism_cannot_split(config: LexConfig, policy: ReadingPolic
 
 
 def without_positions(plan: AttentionPlan) -> AttentionPlan:
-    """The plan of a layer that takes no positions (`rope_layers`): the same tiles, windows and sinks, without the
-    rotations. RoPE's position terms are rotations only: of the new tokens (`token_factors`) and of sinks seen in
-    their cache frame (a second query copy, or the sink keys rotated back by the kernel or by the cache in its copy
-    of its sink slots), so dropping those leaves plain attention under the same masks."""
+    """The plan of a layer that takes no positions (`rope_layers`): the same tile, window and sinks, without the
+    rotations. RoPE's position terms are rotations only: of the new tokens (`token_factors`), of sinks seen in
+    their cache frame (a second query copy, or the sink keys turned to the query) and of the memory's keys, so
+    dropping those leaves plain attention under the same mask."""
     tile = dataclasses.replace(plan.tile, sink_query_factors=None, sink_key_rotation=None, memory_place=None)
     # (the block memory's keys: raw, and raw when evicted)
     request = dataclasses.replace(plan.cache_request, sinks_lent=False, memory_frame=None, memory_unrotate=None)

@@ -230,7 +230,7 @@ class Stream:
         key_index = torch.cat([self.index, query_index])
         plain = caller_plain and self.held == 0 and not self.static
         if torch.compiler.is_compiling() or length <= self.policy.window:
-            aligned = plain  # read by chunked tiles alone (more than w new tokens): no host read otherwise
+            aligned = plain  # read by a chunked tile alone (more than w new tokens): no host read otherwise
         else:
             first = document_start[:, :1]
             block = self.policy.block

@@ -167,6 +167,9 @@ def test_the_reading_path_benchmark_counts_the_crossings_of_one_decoded_token():
                and e["to"] == "modeling_lex/cache.py" for e in edges)
     assert all(e["from"] != e["to"] for e in edges)
     assert set(result["modules_entered"]) <= {f"{p.parent.name}/{p.name}" for p in ROOT.glob("*_lex/*.py")}
+    # issue 77's bounds: 12 crossings before the layers, 4 per layer, 4 after, into at most 8 modules
+    assert result["before_the_layers"] <= 12 and result["per_layer"] <= 4 and result["after_the_layers"] <= 4
+    assert len(result["modules_entered"]) <= 8
 
 
 def ownership_table() -> list[tuple[str, str, list[str]]]:
@@ -211,3 +214,23 @@ def test_each_concept_of_the_reading_path_has_one_owner():
                       {d.split(".")[-1] for d in defined if not d.startswith("_")}]
             assert others == [], f"{concept}: {name} is defined in {module} and in {others}"
     assert {module.removesuffix(".py").replace("/", ".") for _, module, _ in rows} == set(MODEL_ROOMS)
+
+
+def test_attention_makes_one_call_of_the_backend_transformers_returns():
+    """LexAttention.forward reads as Llama's: the variable assigned from `ALL_ATTENTION_FUNCTIONS.get_interface(` is
+    called exactly once (what serving engines' transformers backends look for), and no other function of
+    kernels.py runs attention on its behalf."""
+    tree = ast.parse((ROOT / "modeling_lex" / "modeling_lex.py").read_text(encoding="utf-8"))
+    attention = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "LexAttention")
+    forward = next(item for item in attention.body if isinstance(item, ast.FunctionDef) and item.name == "forward")
+    assigned = [node for node in ast.walk(forward) if isinstance(node, (ast.Assign, ast.AnnAssign))
+                and "ALL_ATTENTION_FUNCTIONS.get_interface(" in ast.unparse(node.value)]
+    assert len(assigned) == 1
+    target = assigned[0].targets[0] if isinstance(assigned[0], ast.Assign) else assigned[0].target
+    calls = [node for node in ast.walk(forward) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+             and node.func.id == target.id]
+    assert len(calls) == 1
+    rebound = [node for node in ast.walk(forward) if isinstance(node, (ast.Assign, ast.AnnAssign)) and target.id in
+               {t.id for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                if isinstance(t, ast.Name)}]
+    assert rebound == assigned  # the function called is the one transformers returned, not a substitute

@@ -565,3 +565,41 @@ def test_saved_folder_keeps_the_memory(tmp_path):
     ids = prompt(1, 3 * W, seed=9)
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("position, mode", [("rope", "sliding"), ("xpos", "blockwise")])
+def test_each_layer_calls_the_backend_once_and_the_memory_s_keys_reach_it_as_keys(position, mode):
+    """Through a backend registered with transformers (`AttentionInterface.register`, then
+    `set_attn_implementation`), a prompt of 5 windows (read in several forwards) and decoding steps with sinks and
+    the memory: each forward of each layer's attention calls the backend once, and a decoding step's keys are the
+    sinks, the window and the memory's k * b slots (its keys, not a side computation)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    calls = []
+
+    def counting(module, query, key, value, attention_mask, **kwargs):
+        calls.append((module.layer_idx, query.shape[2], key.shape[2]))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("lex_counting", counting)
+    slots, block, sinks = 2, 4, 2
+    model = perturbed_model(tiny_config(
+        position_embedding_type=position, attention_mode=mode, attention_sinks=sinks, attention_sink_positions="cache",
+        attention_memory_blocks=slots, attention_memory_block_size=block, num_key_value_heads=1))
+    model.set_attn_implementation("lex_counting")
+    forwards = []
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_hook(lambda module, *args: forwards.append(module.layer_idx))
+    cache = LexCache(model.config)
+    with torch.no_grad():
+        out = model.generate(prompt(1, 5 * W), max_new_tokens=4, do_sample=False, **{CACHE_NAME: cache})
+    layers = model.config.num_hidden_layers
+    assert [layer for layer, _, _ in calls] == forwards
+    assert len(forwards) > layers * 5  # (the prompt's forwards, then a decoding step's each)
+    assert out.shape[1] == 5 * W + 4 and cache.memory_bytes > 0
+    held = cache.stream.sink_slots + cache.held  # what the next step reads besides its own key and the memory
+    calls.clear()
+    with torch.no_grad():
+        model(out[:, -1:], **{CACHE_NAME: cache})
+    assert calls == [(layer, 1, held + 1 + slots * block) for layer in range(layers)]
