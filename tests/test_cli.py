@@ -109,6 +109,9 @@ CASES = {
     "generate-odd-window": ([*GENERATE, "--prompt_file", "{good}", "--attention_window", "7"],
                             "attention_window=7 must be an even integer >= 4"),
     "generate-top-p": ([*GENERATE, "--prompt_file", "{good}", "--top_p", "2"], "--top_p must be in (0, 1], got 2.0"),
+    "generate-compile-memory": ([*GENERATE, "--prompt_file", "{good}", "--compile", "--attention_mode", "sliding",
+                                 "--attention_memory_blocks", "2"],
+                                "--compile with a block memory (attention_memory_blocks=2)"),
     "generate-unknown-flag": ([*GENERATE, "--prompt_file", "{good}", "--beams", "2"], "unrecognized arguments: --beams"),
     # lex export
     "export-not-a-model": (["export", "{notmodel}", "{out}"], "MODEL_DIR {notmodel}: not a model folder"),

@@ -627,3 +627,31 @@ def test_cli_generates_with_a_block_memory_in_ram_and_on_disk(tmp_path, capsys):
     assert lex(["generate", str(tmp_path / "llama"), "--prompt_file", str(tmp_path / "prompt.txt"),
                 "--attention_mode", "sliding", "--memory_directory", str(tmp_path / "store")]) == 2
     assert "--memory_directory" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_cli_compile_streams_the_eager_continuation_from_one_graph(tmp_path, capsys):
+    """`lex generate --compile`: the prompt read into the static cache, then one compiled decoding step (Inductor):
+    the continuation of a prompt of 5 windows, with sinks, is the eager command's, from one graph; a memory, or a
+    published checkpoint without --attention_mode, is refused by name."""
+    from torch._dynamo.utils import counters
+
+    from lex.cli import main as lex
+
+    tokenizer, words = word_tokenizer()
+    model = perturbed_model(tiny_config(position_embedding_type="rope", attention_mode="sliding", attention_sinks=2,
+                                        attention_sink_positions="cache"))
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    (tmp_path / "prompt.txt").write_text(" ".join(words[(5 * i) % 96] for i in range(5 * W + 7)))
+    command = ["generate", str(tmp_path / "model"), "--prompt_file", str(tmp_path / "prompt.txt"),
+               "--max_new_tokens", str(2 * W), "--no_progress"]
+    assert lex(command) == 0
+    eager = capsys.readouterr()
+    assert lex([*command, "--compile"]) == 0
+    compiled = capsys.readouterr()
+    assert compiled.out == eager.out and "compiling the decoding step" in compiled.err
+    assert counters["stats"]["unique_graphs"] == 1
+    assert lex([*command, "--compile", "--attention_memory_blocks", "2"]) == 2
+    assert "--compile with a block memory (attention_memory_blocks=2)" in capsys.readouterr().err

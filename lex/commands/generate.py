@@ -30,6 +30,7 @@ from lex.commands import (
     LexArgumentParser, add_quantize_argument, add_reading_arguments, add_tp_argument, check_quantize,
     check_reading_arguments, check_tp, only_rank_zero_speaks,
 )
+from lex.compiled_decoding import compile_decoding, read_prompt
 from lex.data import DataError, check_text_file
 from lex.models import DTYPES, load_model, load_tokenizer, model_config
 from lex.quantization import weights_of
@@ -57,6 +58,10 @@ def build_parser() -> LexArgumentParser:
                         help="weights and activations (default: float32; bfloat16 for quantized weights)")
     add_quantize_argument(parser)
     add_tp_argument(parser)
+    parser.add_argument("--compile", action="store_true",
+                        help="decode with one compiled step (torch.compile, fullgraph, on the static bounded cache; "
+                             "the prompt is read first, uncompiled): no Python per layer; the first step compiles, "
+                             "tens of seconds on a CPU. Not with the block memory, nor with --tp_plan")
     parser.add_argument("--no_progress", action="store_true", help="no progress bar while reading the prompt")
     return parser
 
@@ -90,13 +95,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if config.model_type not in ("lex", *SOURCE_TYPES):
         raise DataError(f"MODEL {args.model} holds a {config.model_type!r} model; lex generate runs LEX models and "
                         f"{', '.join(SOURCE_TYPES)} checkpoints")
+    if args.compile:
+        check_compile(parser, args, config)
     return args
+
+
+def check_compile(parser: LexArgumentParser, args: argparse.Namespace, config) -> None:
+    """--compile decodes a LEX model (a checkpoint converted in memory by --attention_mode) on the static cache,
+    which holds no block memory, in one process."""
+    if args.tp_plan is not None:
+        parser.error(f"{parser.flag('compile')} with {parser.flag('tp_plan')} {args.tp_plan}: the compiled step runs "
+                     "in one process (allowed: one of the two)")
+    if config.model_type != "lex" and args.attention_mode is None:
+        parser.error(f"{parser.flag('compile')} decodes LEX models; MODEL {args.model} is a {config.model_type!r} "
+                     f"checkpoint: give {parser.flag('attention_mode')} (blockwise, sliding or full) to convert it")
+    blocks = args.attention_memory_blocks
+    if blocks is None and config.model_type == "lex":
+        blocks = config.attention_memory_blocks
+    if blocks:
+        parser.error(f"{parser.flag('compile')} with a block memory (attention_memory_blocks={blocks}): it chooses "
+                     "blocks as the document grows, which one compiled step cannot hold (allowed: "
+                     f"{parser.flag('attention_memory_blocks')} 0, or no {parser.flag('compile')})")
 
 
 @contextmanager
 def prompt_progress(model, length: int, enabled: bool) -> Iterator[None]:
-    """A bar over the prompt tokens as generate() reads them (a window per forward); new tokens are not counted."""
-    bar = tqdm(total=length, desc="prompt", unit="tok", disable=not enabled, file=sys.stderr)
+    """A bar over the prompt tokens as generate() reads them (a window per forward); new tokens are not counted.
+    Disabled, nothing is hooked (a compiled step holds no hook)."""
+    if not enabled:
+        yield
+        return
+    bar = tqdm(total=length, desc="prompt", unit="tok", file=sys.stderr)
 
     def count(module, args, kwargs) -> None:
         ids = kwargs.get("input_ids")
@@ -160,7 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     long_prompt = config.model_type == "lex" and input_ids.shape[1] >= 2 * config.attention_window  # read by windows
     start = time.perf_counter()
     cache = {}
-    if memory:  # the prompt read here (all but its last token), the store's size shown once it passes the window
+    if args.compile:  # the prompt read uncompiled into the static cache, then one compiled step for every token
+        slots = input_ids.shape[1] + args.max_new_tokens if config.attention_mode == "full" else None
+        cache = {CACHE_NAME: read_prompt(model, input_ids, slots)}
+        compile_decoding(model)
+        print("compiling the decoding step", file=sys.stderr)
+        long_prompt = False
+    elif memory:  # the prompt read here (all but its last token), the store's size shown once it passes the window
         enabled = input_ids.shape[1] > config.attention_window and not args.no_progress
         cache = {CACHE_NAME: read_into_memory(model, input_ids, args.memory_directory, enabled)}
         long_prompt = False
