@@ -17,6 +17,10 @@ the token embedding again where the head is tied), the GB/s that makes at its de
 same process before the readers, the machine's memory bandwidth with --threads threads (the best of 5 copies of
 a 1 GiB buffer: bytes read plus bytes written over the time), with the instruction sets torch and llama.cpp use.
 
+The readers named `-compiled` decode through lex.compiled_decoding (`lex generate --compile`): the prompt read
+uncompiled into the static bounded cache (their prefill), then one compiled step (Inductor, fullgraph; its
+compilation, by a first spell of 2 tokens, is not timed).
+
 Per context, in one process: every reader prefills the first `context` tokens of the King James Bible once
 (tokens/s to its first new token, greedy), then they decode in turns, spells of --new tokens, --rounds rounds,
 each round in the reverse order of the last; a reader's decoding speed is the median of its spells' tokens/s and
@@ -24,7 +28,8 @@ its ratio to llama.cpp the median of the rounds' ratios. Both sides are timed as
 streamer on generate(), llama.cpp by the tokens its `Llama.generate` yields. Each context runs in its own process.
 
     python benchmarks/llamacpp_peer.py [--contexts 2048,16384,32768] [--new 32] [--rounds 3] [--threads 2]
-        [--readers llama.cpp,fp32,bf16,int8,int4] [--memory_contexts 32768] [--output llamacpp_peer.json]
+        [--readers llama.cpp,fp32,bf16,int8,int4,fp32-compiled,int8-compiled,int4-compiled]
+        [--memory_contexts 32768] [--output llamacpp_peer.json]
 """
 
 import argparse
@@ -40,6 +45,7 @@ import torch
 
 from common import Clock, real_checkpoint, write_output
 
+from lex.compiled_decoding import compile_decoding, read_prompt
 from lex.models import load_model, load_tokenizer, quantized, with_attention
 from modeling_lex import LexCache
 from modeling_lex.generation import CACHE_NAME
@@ -47,7 +53,7 @@ from modeling_lex.generation import CACHE_NAME
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_checkpoint_speed import prompt_ids  # noqa: E402  (the benchmarks share their prompt)
 
-READERS = ("llama.cpp", "fp32", "bf16", "int8", "int4")
+READERS = ("llama.cpp", "fp32", "bf16", "int8", "int4", "fp32-compiled", "int8-compiled", "int4-compiled")
 WEIGHTS = {"fp32": (None, "float32"), "bf16": (None, "bfloat16"), "int8": ("int8", "bfloat16"),
            "int4": ("int4", "bfloat16")}
 
@@ -166,6 +172,19 @@ class LexReader:
         return len(steps) / sum(steps)
 
 
+class CompiledReader(LexReader):
+    """A LEX model through lex.compiled_decoding (what `lex generate --compile` runs): the prompt read uncompiled
+    into the static cache, then one compiled decoding step, compiled by a first spell of 2 tokens, untimed."""
+
+    def prefill(self, ids: torch.Tensor) -> float:
+        began = time.perf_counter()
+        self.cache = read_prompt(self.model, ids)
+        seconds = time.perf_counter() - began
+        compile_decoding(self.model)
+        self.generate(ids, 2)  # (compiles the step)
+        return (ids.shape[1] - 1) / seconds
+
+
 def readers(args, path: Path) -> dict:
     """The readers of this context: llama.cpp and each LEX weight width, and with memory where asked."""
     source = load_model(str(path))  # the checkpoint as published, dequantized to float32: every LEX reader's source
@@ -175,13 +194,14 @@ def readers(args, path: Path) -> dict:
         if name == "llama.cpp":
             chosen[name] = LlamaCppReader(path, args.context, args.new * args.rounds + 1, args.threads)
             continue
+        compiled = name.endswith("-compiled")
         for blocks in memory if name in ("fp32", "int4") else [0]:
             model = with_attention(source, "sliding", args.window, args.sinks, "cache",
                                    attention_memory_blocks=blocks).eval()
-            kind, dtype = WEIGHTS[name]
+            kind, dtype = WEIGHTS[name.removesuffix("-compiled")]
             model = quantized(copy.deepcopy(model), kind, dtype) if kind else copy.deepcopy(model).to(
                 getattr(torch, dtype))
-            chosen[f"{name}+memory" if blocks else name] = LexReader(model)
+            chosen[f"{name}+memory" if blocks else name] = (CompiledReader if compiled else LexReader)(model)
     return chosen
 
 

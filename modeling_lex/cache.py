@@ -70,7 +70,8 @@ class LexCacheLayer(DynamicLayer):
 
     A forward's `update` writes the new keys after the window part, in place where DynamicLayer's torch.cat copies
     every held key at every step, and returns the sink slots, the window part and the new keys as one contiguous
-    span for attention to read. That changes nothing held: `commit` does, with the record's sink slots and last
+    span for attention to read (with room after it that a decoding step with the block memory may write: the
+    request's `memory_room`). That changes nothing held: `commit` does, with the record's sink slots and last
     `keep` window keys. A decoding step that sees its sinks in the cache's frame (RoPE) turns them in the buffer's
     copy of the sink slots, which the request lends it (`sinks_lent`; attention writes nothing else the cache
     returned); the slots' raw contents are kept apart (`_sinks`) and written back when the forward's step ends
@@ -145,12 +146,13 @@ class LexCacheLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._request = request
-        return self._span(0, key_states), self._span(1, value_states)
+        return self._span(0, key_states, request.memory_room), self._span(1, value_states, request.memory_room)
 
-    def _span(self, which: int, new: torch.Tensor) -> torch.Tensor:
-        """The sink slots, the window part and `new` as one span: `new` written after the window part (where there
-        is no room, the sink slots and the window part move, to the front of the buffer or of a new one with room to
-        grow; what they hold stays the same); concatenated under autograd."""
+    def _span(self, which: int, new: torch.Tensor, lent: int) -> torch.Tensor:
+        """The sink slots, the window part and `new` as one span, and after it `lent` columns attention may write
+        (the memory's blocks: `CacheRequest.memory_room`): `new` written after the window part (where there is no
+        room, the sink slots and the window part move, to the front of the buffer or of a new one with room to grow;
+        what they hold stays the same); concatenated, with nothing lent, under autograd."""
         sinks, count = self._sinks[which], self._slots(which)
         buffer, begin, end = self._window[which] or (new[:, :, :0], 0, 0)
         if new.requires_grad or buffer.requires_grad:
@@ -159,16 +161,16 @@ class LexCacheLayer(DynamicLayer):
         self._joined[which] = None
         stop = end + new.shape[2]
         rewrite = False
-        if stop > buffer.shape[2]:  # no room after the window part
+        if stop + lent > buffer.shape[2]:  # no room after the window part
             length = count + stop - begin
-            room = buffer if length <= buffer.shape[2] else _with_room(new, length)
+            room = buffer if length + lent <= buffer.shape[2] else _with_room(new, length + lent)
             _move(buffer, begin, end, room, count)
             buffer, begin, end, stop, rewrite = room, count, count + end - begin, length, True
             self._window[which] = (buffer, begin, end)
         buffer[:, :, end:stop] = new
         if count and rewrite:
             buffer[:, :, begin - count : begin] = sinks
-        return buffer[:, :, begin - count : stop]
+        return buffer[:, :, begin - count : stop + lent]
 
     def commit(self, record: ForwardRecord) -> Evicted | None:
         """Hold what the record says: the sink slots' new contents (taken from the raw keys the forward read, sink

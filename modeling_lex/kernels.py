@@ -85,9 +85,10 @@ def _chunks(x: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     return picked.permute(0, 1, 3, 2, 4).flatten(0, 1)
 
 
-def _tile_inputs(tile: Tile, sink_slots: int, query, key, value, recalled=None):
+def _tile_inputs(tile: Tile, sink_slots: int, query, key, value, recalled=None, lent: bool = False):
     """The tile's queries, keys and values; the block memory's blocks (`recalled`, keys in its frame) after the
-    window part's keys, turned into the tile's frame."""
+    window part's keys, turned into the tile's frame: written in the columns the cache `lent` after its span
+    (`CacheRequest.memory_room`), where it did."""
     if tile.query_slots is not None:
         return _chunks(query, tile.query_slots), _chunks(key, tile.key_columns), _chunks(value, tile.key_columns)
     keys = slice(sink_slots + tile.key_slice.start, sink_slots + tile.key_slice.stop)
@@ -102,6 +103,10 @@ def _tile_inputs(tile: Tile, sink_slots: int, query, key, value, recalled=None):
         memory_keys, memory_values = recalled
         if tile.memory_place is not None:
             memory_keys = apply_rotary(memory_keys, tile.memory_place)
+        room = slice(keys.stop, keys.stop + memory_keys.shape[2])
+        if lent and key.shape[2] >= room.stop:  # the cache lent the columns after its span: no copy of the span
+            key[:, :, room], value[:, :, room] = memory_keys, memory_values
+            return q, key[:, :, keys.start : room.stop], value[:, :, keys.start : room.stop]
         k, v = torch.cat([k, memory_keys], dim=2), torch.cat([v, memory_values], dim=2)
     return q, k, v
 
@@ -138,11 +143,13 @@ def arrange(
     A chunked tile puts its chunks in the batch (B * chunks, ., b, .). Where the tile meets its sinks or the memory
     in a frame of their own through a second copy of each query, the copies lie side by side along the head
     dimension (the values padded to that width: the caller keeps the first `head_dim` of the output). The keys and
-    values the cache returned are read, never written (they may be views of its buffers), but for the copy of its
-    sink slots it lends a decoding step that turns its sinks to the query (`CacheRequest.sinks_lent`): the sink
-    keys are turned there, in place, and the cache writes the raw slots back when the forward's step ends."""
+    values the cache returned are read, never written (they may be views of its buffers), but for what it lends a
+    decoding step: the copy of its sink slots, where the step turns its sinks to the query
+    (`CacheRequest.sinks_lent`; the cache writes the raw slots back when the forward's step ends), and the columns
+    after its span, where the step puts the memory's blocks (`CacheRequest.memory_room`; no key the cache holds)."""
     tile = plan.tile
-    given, k, v = _tile_inputs(tile, plan.sink_slots, query, key, value, recalled if tile.n_memory else None)
+    given, k, v = _tile_inputs(tile, plan.sink_slots, query, key, value, recalled if tile.n_memory else None,
+                               lent=plan.cache_request.memory_room > 0)
     if tile.sink_key_rotation is not None:  # the sinks turned to the query (one query per row, per-token RoPE)
         turned = apply_rotary(k[:, :, : tile.n_sinks], tile.sink_key_rotation)
         if tile.sinks_in_slots and not turned.requires_grad:  # the cache lent its sink slots' copy for this forward

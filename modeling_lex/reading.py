@@ -289,6 +289,10 @@ class CacheRequest:
     # before its window part, in place (kernels.arrange): the cache lends that copy and writes the raw slots back
     # when the step ends.
     sinks_lent: bool = False
+    # A decoding step that reads the block memory's blocks after its span: the columns the cache lends after the
+    # span's end, where attention writes them (kernels.arrange), so that the span and the blocks are one tensor
+    # without copying the span.
+    memory_room: int = 0
     # With a block memory (RoPE; None otherwise and in layers without positions): (1, 1, k * b, d), the rotation of
     # raw memory keys to their places in the frame (ReadingPolicy.memory_frame), applied once per choice, so the
     # memory holds the blocks it read so; and (B, 1, dropped, d), what undoes the rotation of the keys this forward
@@ -609,7 +613,10 @@ def build_plan(
         plan.tile = _chunked_tile(policy, position_method, ctx, dtype, ctx.aligned)
     frame, unrotate = _memory_rotations(policy, position_method, ctx, memory)
     tile = plan.tile
+    one_span = tile.query_slots is None and total == 1 and tile.key_slice == slice(0, n_keys) and (
+        tile.sinks_in_slots or tile.sink_columns is None)  # (a decoding step whose keys are the cache's span)
     plan.cache_request = CacheRequest(sinks_lent=tile.sinks_in_slots and tile.sink_key_rotation is not None,
+                                      memory_room=tile.n_memory if one_span and not attention_maps else 0,
                                       memory_frame=frame, memory_unrotate=unrotate)
     return plan
 

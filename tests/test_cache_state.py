@@ -60,8 +60,11 @@ def make_cache(kind: str, config):
 
 
 def model_for(mode: str, sinks: int, rule: str, kind: str):
+    """`kind`: the position method, "+memory" for a block memory of 2 blocks of 4."""
+    kind, memory = kind.removesuffix("+memory"), kind.endswith("+memory")
     return perturbed_model(tiny_config(attention_mode=mode, attention_sinks=sinks, attention_sink_positions=rule,
-                                       position_embedding_type=kind))
+                                       position_embedding_type=kind, attention_memory_blocks=2 if memory else 0,
+                                       attention_memory_block_size=4))
 
 
 @pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
@@ -119,22 +122,27 @@ def test_reading_keys_and_values_changes_nothing(mode, sinks, rule, kind):
             assert_same(snapshot(cache), first)
 
 
-@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
-@pytest.mark.parametrize("mode, sinks, rule, kind", CASES)
-def test_attention_writes_only_the_sink_slots_the_cache_lends(mode, sinks, rule, kind, cache_kind, monkeypatch):
+@pytest.mark.parametrize("cache_kind, mode, sinks, rule, kind", [
+    *[(cache, *case) for cache in ("dynamic", "static") for case in CASES],
+    ("dynamic", "sliding", 2, "cache", "rope+memory"), ("dynamic", "blockwise", 2, "cache", "xpos+memory")])
+def test_attention_writes_only_what_the_cache_lends(mode, sinks, rule, kind, cache_kind, monkeypatch):
     """Of the keys and values each layer's attention receives from the cache (views of its buffers), over a prompt
     and decoding steps that read sink slots in either frame, attention (the tile's arrangement and the backend's
-    call) writes only the copy of the sink slots the request lends it (`CacheRequest.sinks_lent`), and after the
-    step the cache holds the raw sink keys there again."""
+    call) writes only what the request lends it (the copy of the sink slots, `CacheRequest.sinks_lent`; the
+    columns after the span, `memory_room`), and after the step the cache holds the raw sink keys there again."""
     model = model_for(mode, sinks, rule, kind)
     ids = prompt(2, 3 * W)
-    calls, written, arranged, lent = [], [], [], []
+    calls, written, arranged, lent, rooms = [], [], [], [], []
     original = modeling.arrange
 
     def watched_arrange(module, plan, query, key, value, *args):
         slots = plan.sink_slots if plan.cache_request.sinks_lent else 0
-        arranged.append((key, value, key._version, value._version, key[:, :, :slots].clone(),
-                         key[:, :, slots:].clone()))
+        room = plan.cache_request.memory_room  # (the columns after the span are the forward's)
+        if plan.tile.n_memory and query.shape[2] == 1:
+            rooms.append(room)
+        held = key.shape[2] - room
+        arranged.append((key[:, :, :held], value[:, :, :held], key._version, value._version, bool(slots or room),
+                         key[:, :, :slots].clone(), key[:, :, slots:held].clone(), value[:, :, :held].clone()))
         calls.append(bool(slots))
         return original(module, plan, query, key, value, *args)
 
@@ -146,11 +154,11 @@ def test_attention_writes_only_the_sink_slots_the_cache_lends(mode, sinks, rule,
 
             def watched(module, *args, **kwargs):
                 out = backend(module, *args, **kwargs)
-                key, value, key_version, value_version, front, rest = arranged.pop()
-                if value._version != value_version or not torch.equal(key[:, :, front.shape[2] :], rest):
+                key, value, key_version, value_version, lends, front, rest, values = arranged.pop()
+                if not torch.equal(value, values) or not torch.equal(key[:, :, front.shape[2] :], rest):
                     written.append(module.layer_idx)
-                elif key._version != key_version and front.shape[2] == 0:
-                    written.append(module.layer_idx)
+                elif (key._version, value._version) != (key_version, value_version) and not lends:
+                    written.append(module.layer_idx)  # (a counter counts the whole buffer's writes, lent ones too)
                 elif front.shape[2]:
                     lent.append((module.layer_idx, front))
                 return out
@@ -170,5 +178,7 @@ def test_attention_writes_only_the_sink_slots_the_cache_lends(mode, sinks, rule,
     assert written == []
     assert all(restored)
     assert len(calls) >= model.config.num_hidden_layers * (ids.shape[1] - W - 1)  # the prompt, then each step
-    if cache_kind == "dynamic" and sinks and rule == "cache" and kind == "rope":
+    if cache_kind == "dynamic" and sinks and rule == "cache" and kind.startswith("rope"):
         assert any(calls) and restored  # the path that reads the sink slots turned in the cache's frame ran
+    if kind == "rope+memory":
+        assert rooms and all(rooms)  # the path that puts the memory's blocks after the span ran, every step
