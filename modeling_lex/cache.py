@@ -36,7 +36,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer, StaticCache
+from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer, StaticCache
 
 from .generation import init_cache_layers
 from .memory import BlockMemory, Evicted, OpenStep
