@@ -118,18 +118,21 @@ def quantize(model: nn.Module, kind: str, dtype: torch.dtype = torch.bfloat16) -
 
 class Int8Linear(nn.Module):
     """A Linear of int8 weights with one scale per output row, multiplied by torch's fused CPU kernel
-    (`torch._weight_int8pack_mm`) without widening the weight."""
+    (`torch._weight_int8pack_mm`) without widening the weight. The scales are kept in the activations' dtype
+    (`dtype`), which the kernel takes: converted at each call only for activations of another dtype (a compiled
+    step's kernel then reads the stored scales, which Inductor requires of it)."""
 
-    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
         self.out_features, self.in_features = qdata.shape
         self.register_buffer("qdata", qdata.detach().clone(memory_format=torch.contiguous_format))
-        self.register_buffer("scale", scale.reshape(-1).contiguous())
+        self.register_buffer("scale", scale.reshape(-1).to(dtype).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        y = torch._weight_int8pack_mm(flat, self.qdata, self.scale.to(x.dtype))
+        scale = self.scale if self.scale.dtype == x.dtype else self.scale.to(x.dtype)
+        y = torch._weight_int8pack_mm(flat, self.qdata, scale)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -149,6 +152,7 @@ def for_cpu(model: nn.Module, kind: str) -> nn.Module:
     from torchao.quantization.quantize_.workflows import Int8Tensor
 
     head = model.get_output_embeddings()
+    dtype = model.get_input_embeddings().weight.dtype  # (the activations')
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear) or not isinstance(child.weight, Int8Tensor):
@@ -157,7 +161,7 @@ def for_cpu(model: nn.Module, kind: str) -> nn.Module:
                 child.weight = nn.Parameter(child.weight.dequantize(), requires_grad=False)
                 quantization.quantize_(child, PrototypeInt4WeightOnlyConfig(group_size=INT4_GROUP_SIZE))
             else:
-                setattr(parent, name, Int8Linear(child.weight.qdata, child.weight.scale, child.bias))
+                setattr(parent, name, Int8Linear(child.weight.qdata, child.weight.scale, child.bias, dtype))
     return model
 
 
