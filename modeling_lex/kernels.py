@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from transformers.integrations.sdpa_attention import repeat_kv
 
-from .reading import AttentionPlan, Tile
+from .reading import AttentionPlan, Tile, additive_mask
 
 
 def apply_rotary(x: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
@@ -165,12 +165,7 @@ def arrange(
     bias = tile.mask
     if tile.distance is not None:  # a bias the layer learned (KERPLE), on top of the mask
         learned = module.learned_bias(tile.distance).to(q.dtype)
-        if bias is None:  # plainly causal
-            q_len, k_len = learned.shape[-2:]
-            causal = torch.ones(q_len, k_len, dtype=torch.bool, device=learned.device).tril(k_len - q_len)
-            bias = torch.where(causal, learned, torch.finfo(learned.dtype).min)
-        else:
-            bias = bias + learned
+        bias = additive_mask(None, learned, q.dtype) if bias is None else bias + learned  # (None: plainly causal)
     return q, k, v, bias
 
 
