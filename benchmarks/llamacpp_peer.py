@@ -5,7 +5,7 @@ llama.cpp reads it as it is (4.5 bits a weight) through an installed llama-cpp-p
 nothing (`CMAKE_BUILD_PARALLEL_LEVEL=2 pip install llama-cpp-python==0.3.36` builds it from source). LEX reads
 the same file dequantized and converted in memory (`lex.models.with_attention`), sliding attention over
 --window keys with --sinks sinks, with weights in float32, bfloat16, and quantized by lex.quantization to int8 and
-int4 (bfloat16 activations); at the contexts of --memory_contexts, int4 and float32 also read with the block
+int4 (float32 activations; the quantized Linears multiply in bfloat16); at the contexts of --memory_contexts, int4 and float32 also read with the block
 memory (--memory_blocks blocks of 16 tokens) beside the window alone. llama.cpp keeps full attention over the
 whole context (n_ctx = context + what is decoded).
 
@@ -54,8 +54,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_checkpoint_speed import prompt_ids  # noqa: E402  (the benchmarks share their prompt)
 
 READERS = ("llama.cpp", "fp32", "bf16", "int8", "int4", "fp32-compiled", "int8-compiled", "int4-compiled")
-WEIGHTS = {"fp32": (None, "float32"), "bf16": (None, "bfloat16"), "int8": ("int8", "bfloat16"),
-           "int4": ("int4", "bfloat16")}
+WEIGHTS = {"fp32": (None, "float32"), "bf16": (None, "bfloat16"), "int8": ("int8", "float32"),
+           "int4": ("int4", "float32")}
 
 
 class LlamaCppReader:

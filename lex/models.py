@@ -110,8 +110,8 @@ def load_model(
 ):
     """A causal LM in eval mode on `device`, with `quantize` weights (lex.quantization: "int8" or "int4",
     converted in memory) where asked; a folder saved quantized loads so, in the CPU kernels' layouts. `dtype`
-    (None: float32, or bfloat16 for quantized weights, which the CPU kernels read fastest) is the weights' and
-    the activations' dtype. For a LEX folder the arguments override its config (None: the
+    (None: float32) is the weights' and the activations' dtype (quantized Linears multiply in bfloat16, which
+    the CPU kernels read fastest). For a LEX folder the arguments override its config (None: the
     folder's). A Llama, Mistral or Qwen2 folder loads as published unless a windowed mode, a window or sinks
     (or a block memory) are asked for: then it is converted in memory (`convert.hf.lex_from_hf`, no second copy of the weights; its
     sinks within the cache unless `attention_sink_positions` says otherwise). Another causal LM loads as
@@ -130,7 +130,7 @@ def load_model(
         stored = None if gguf is not None or not Path(path).is_dir() else stored_kind(path)
     except QuantizationError as error:
         raise DataError(f"MODEL {error}") from None
-    dtype = dtype or ("bfloat16" if quantize or stored else "float32")
+    dtype = dtype or "float32"
     if tp_plan is not None:
         check_shardable(path, gguf, attention)
     if gguf is not None:
@@ -192,12 +192,12 @@ def check_shardable(path: str, gguf, attention: dict) -> None:
 
 
 def quantized(model, kind: str | None, dtype: Dtype | None = None):
-    """`model` with `kind` weights (lex.quantization) computing in `dtype` (None: bfloat16), or as it is for
+    """`model` with `kind` weights (lex.quantization) computing in `dtype` (None: float32), or as it is for
     None."""
     if kind is None:
         return model
     try:
-        return quantize_weights(model, kind, getattr(torch, dtype or "bfloat16"))
+        return quantize_weights(model, kind, getattr(torch, dtype or "float32"))
     except QuantizationError as error:
         raise DataError(f"--quantize {kind}: {error}") from None
 

@@ -12,14 +12,17 @@ scale per output row), and differ in the layout `for_cpu` gives the weights for 
   it costs SmolLM2-135M a quarter of its perplexity, where the body's 4 bits cost under 1%. torchao cannot write
   this layout to safetensors, so a folder stores the int8 form and the layout is derived as it loads.
 
-A tied LM head is untied first, so the embedding keeps its activations-dtype rows for the lookup and decoding
-reads the head's own copy. The activations (and with them the caches and the block memory's store) are bfloat16
-unless asked otherwise: the packed kernels are fastest on bfloat16 and torch's int4 CPU kernel is an order of
-magnitude slower on float32 (benchmarks/llamacpp_peer.py).
+A tied LM head is untied first, so the embedding keeps its rows for the lookup and decoding reads the head's own
+copy. The quantized Linears multiply in bfloat16 (`KERNEL_DTYPE`) whatever the activations' dtype: they round
+their input to it and return the activations' dtype. The rest of the model (norms, attention, the caches and the
+block memory's store) computes in the activations' dtype, float32 unless asked otherwise: torch's packed kernels
+are fastest on bfloat16 (its int4 CPU kernel is an order of magnitude slower on float32), and its CPU attention
+is several times faster on float32 (one query against a window of 1,028 keys: 0.1 ms against 0.7 ms on a 2-core
+AMD EPYC, benchmarks/llamacpp_peer.py's machine).
 
 In memory (`quantize`) and from a saved folder (`save_quantized`, then `from_pretrained` and `for_cpu` with the
 folder's `stored_kind`) a model goes through the same steps on the same bfloat16 weights, so both give the same
-logits. A folder is written through transformers' documented path (`TorchAoConfig` at `from_pretrained`, then
+logits in the same activations' dtype. A folder is written through transformers' documented path (`TorchAoConfig` at `from_pretrained`, then
 `save_pretrained`: safetensors, no pickle), loads quantized with a plain `AutoModelForCausalLM.from_pretrained`
 (int8 weights), and names in `QUANTIZATION_FILE` the layout it is read in.
 
@@ -45,6 +48,7 @@ Quantization = Literal["int8", "int4"]
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 INT4_GROUP_SIZE = 32  # GGUF's Q4_0/Q4_1 group: a Q4_1 checkpoint's 16 levels a group survive requantization
 INT4_CPU_ROWS = 16  # the tinygemm CPU layout packs output rows by 16; other weights stay int8
+KERNEL_DTYPE = torch.bfloat16  # what the quantized Linears multiply in, and the weights are quantized from
 QUANTIZATION_FILE = "lex_quantization.json"  # {"weights": KIND}: the layout a saved folder is read in
 
 
@@ -104,35 +108,45 @@ def check_supported(model: nn.Module, kind: str) -> None:
                                     f"multiple of the int4 group size {INT4_GROUP_SIZE} (use quantize='int8')")
 
 
-def quantize(model: nn.Module, kind: str, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    """`model` (a causal LM, in eval mode) with `kind` weights in place and `dtype` activations, ready for CPU
-    decoding: what `from_pretrained` of a `save_quantized` folder followed by `for_cpu` gives."""
+def quantize(model: nn.Module, kind: str, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """`model` (a causal LM, in eval mode) with `kind` weights in place, quantized from their bfloat16 values, and
+    `dtype` activations, ready for CPU decoding: what `from_pretrained` of a `save_quantized` folder (in `dtype`)
+    followed by `for_cpu` gives."""
     check_supported(model, kind)
-    untie(model.to(dtype))
+    untie(model.to(KERNEL_DTYPE))
     embedding = model.get_input_embeddings()
     torchao().quantize_(model, weight_config(),
                         filter_fn=lambda module, name: isinstance(module, nn.Linear) and module is not embedding)
     model.config.quantization_config = quantization_config()
-    return for_cpu(model, kind)
+    quantized = set()
+    for module in for_cpu(model, kind).modules():
+        if isinstance(module, Int8Linear):
+            quantized |= {id(module.qdata), id(module.scale)}
+        elif isinstance(module, Int4Linear):
+            quantized |= {id(module.qdata), id(module.scale_and_zero)}
+    for tensor in [*model.parameters(), *model.buffers()]:  # the rest computes in the activations' dtype
+        if id(tensor) not in quantized and tensor.is_floating_point():
+            tensor.data = tensor.data.to(dtype)
+    model.config.dtype = dtype
+    return model
 
 
 class Int8Linear(nn.Module):
     """A Linear of int8 weights with one scale per output row, multiplied by torch's fused CPU kernel
-    (`torch._weight_int8pack_mm`) without widening the weight. The scales are kept in the activations' dtype
-    (`dtype`), which the kernel takes: converted at each call only for activations of another dtype (a compiled
-    step's kernel then reads the stored scales, which Inductor requires of it)."""
+    (`torch._weight_int8pack_mm`) in `KERNEL_DTYPE` without widening the weight. The scales are stored in
+    `KERNEL_DTYPE`, which the kernel takes (a compiled step's kernel reads them as stored, which Inductor
+    requires of it); the input is rounded to it and the output returned in the input's dtype."""
 
-    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.out_features, self.in_features = qdata.shape
         self.register_buffer("qdata", qdata.detach().clone(memory_format=torch.contiguous_format))
-        self.register_buffer("scale", scale.reshape(-1).to(dtype).contiguous())
+        self.register_buffer("scale", scale.reshape(-1).to(KERNEL_DTYPE).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        scale = self.scale if self.scale.dtype == x.dtype else self.scale.to(x.dtype)
-        y = torch._weight_int8pack_mm(flat, self.qdata, scale)
+        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
+        y = torch._weight_int8pack_mm(flat, self.qdata, self.scale).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -141,36 +155,60 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per row"
 
 
+class Int4Linear(nn.Module):
+    """A Linear of int4 weights in torchao's CPU layout (`Int4OpaqueTensor`: packed by
+    `aten._convert_weight_to_int4pack_for_cpu`, `KERNEL_DTYPE` scales and zeros a group of `INT4_GROUP_SIZE`),
+    multiplied by torch's tinygemm CPU kernel (`aten._weight_int4pack_mm_for_cpu`) on the packed tensors
+    themselves, as torchao's own `linear` does, without a tensor subclass in the model (a compiled step then
+    guards plain buffers). The input is rounded to `KERNEL_DTYPE` and the output returned in the input's
+    dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("qdata", weight.qdata)
+        self.register_buffer("scale_and_zero", weight.scale_and_zero)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.qdata, INT4_GROUP_SIZE, self.scale_and_zero)
+        y = y.to(x.dtype) if self.bias is None else y.to(x.dtype) + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {INT4_GROUP_SIZE}"
+
+
 def for_cpu(model: nn.Module, kind: str) -> nn.Module:
     """`model` with its stored int8 weights (see the module docstring) in the layouts the CPU kernels read for
-    `kind`: Linears swapped for `Int8Linear`s, or for int4 every Linear but the LM head requantized into the
-    tinygemm CPU layout (those with a multiple of `INT4_CPU_ROWS` output rows; others stay int8). Leaves other
-    weights as they are."""
+    `kind`: Linears swapped for `Int8Linear`s, or for int4 every Linear but the LM head requantized from its
+    bfloat16 values into the tinygemm CPU layout, an `Int4Linear` (those with a multiple of `INT4_CPU_ROWS`
+    output rows; others stay int8). Leaves other weights as they are."""
     check_kind(kind)
     quantization = torchao()
     from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
     from torchao.quantization.quantize_.workflows import Int8Tensor
 
     head = model.get_output_embeddings()
-    dtype = model.get_input_embeddings().weight.dtype  # (the activations')
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear) or not isinstance(child.weight, Int8Tensor):
                 continue
             if kind == "int4" and child is not head and child.out_features % INT4_CPU_ROWS == 0:
-                child.weight = nn.Parameter(child.weight.dequantize(), requires_grad=False)
-                quantization.quantize_(child, PrototypeInt4WeightOnlyConfig(group_size=INT4_GROUP_SIZE))
+                plain = nn.Linear(child.in_features, child.out_features, bias=False, dtype=KERNEL_DTYPE)
+                plain.weight = nn.Parameter(child.weight.dequantize().to(KERNEL_DTYPE), requires_grad=False)
+                quantization.quantize_(plain, PrototypeInt4WeightOnlyConfig(group_size=INT4_GROUP_SIZE))
+                setattr(parent, name, Int4Linear(plain.weight, child.bias))
             else:
-                setattr(parent, name, Int8Linear(child.weight.qdata, child.weight.scale, child.bias, dtype))
+                setattr(parent, name, Int8Linear(child.weight.qdata, child.weight.scale, child.bias))
     return model
 
 
 def weights_of(model: nn.Module) -> str | None:
     """The kind of `model`'s quantized weights as laid out for the CPU (None: not laid out so)."""
-    from torchao.prototype.quantization.int4 import Int4OpaqueTensor
-
     modules = list(model.modules())
-    if any(isinstance(getattr(m, "weight", None), Int4OpaqueTensor) for m in modules):
+    if any(isinstance(m, Int4Linear) for m in modules):
         return "int4"
     return "int8" if any(isinstance(m, Int8Linear) for m in modules) else None
 

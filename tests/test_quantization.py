@@ -19,14 +19,14 @@ from lex.cli import main as lex
 from lex.data import DataError
 from lex.models import load_model
 from lex.quantization import (
-    INT4_GROUP_SIZE, Int8Linear, QuantizationError, quantize, stored_kind, untie, weight_config, weights_of,
+    INT4_GROUP_SIZE, Int4Linear, Int8Linear, QuantizationError, quantize, stored_kind, untie, weight_config,
+    weights_of,
 )
 from modeling_lex import LexCache
 from tests.helpers import greedy_tokens, markov_batch, perturbed_model, tiny_config, trained_model, word_tokenizer
 
 torchao = pytest.importorskip("torchao")
 import torchao.quantization  # noqa: E402
-from torchao.prototype.quantization.int4 import Int4OpaqueTensor  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 128  # a multiple of the int4 CPU layout's 16 rows, so the LM head is packed too
@@ -38,30 +38,47 @@ def config(**overrides):
 
 
 def tinygemm_grid(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` (N, K) on the int4 grid of groups of 32 input channels that tinygemm's qparams give: 16 levels from
-    each group's minimum to its maximum, written here from that rule (float32)."""
-    groups = weight.float().unflatten(1, (-1, INT4_GROUP_SIZE))
+    """`weight` (N, K, bfloat16) on the int4 grid of groups of 32 input channels that tinygemm's qparams give,
+    written here from that rule: 16 levels from each group's minimum to its maximum, a step and a zero (the
+    value of level 8) computed in bfloat16 as the weights are, each weight's level rounded in bfloat16 too, and
+    the levels widened to float32 by step and zero."""
+    groups = weight.unflatten(1, (-1, INT4_GROUP_SIZE))
     low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-    step = ((high - low) / 15).clamp(min=1e-6)
-    return (((groups - low) / step).round().clamp(0, 15) * step + low).flatten(1)
+    step = ((high - low) / 15).clamp(min=torch.finfo(weight.dtype).smallest_normal)
+    zero = low + step * 8
+    levels = ((groups - (zero - step * 8)) / step).round().clamp(0, 15)
+    return ((levels.float() - 8) * step.float() + zero.float()).flatten(1)
 
 
-def dequantized_reference(source: nn.Module, kind: str, dtype: torch.dtype) -> nn.Module:
-    """`source` in float32 holding in plain Linears the weights the CPU kernels multiply for `kind`: torchao's
-    stored int8 form (its `quantize_` on the `dtype` weights, widened back by its `dequantize`), and for int4 every
-    Linear but the head on `tinygemm_grid` of that: the reference the packed kernels are compared with."""
-    stored = untie(copy.deepcopy(source).to(dtype))
+def in_bfloat16(module: nn.Module, inputs: tuple) -> tuple:
+    return tuple(x.to(torch.bfloat16).float() for x in inputs)
+
+
+def out_of_bfloat16(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+    return output.to(torch.bfloat16).float()
+
+
+def dequantized_reference(source: nn.Module, kind: str) -> nn.Module:
+    """`source` in float32, its weights rounded to bfloat16, holding in plain Linears the weights the CPU kernels
+    multiply for `kind`: torchao's stored int8 form (its `quantize_` on the bfloat16 weights: int8 values times
+    their scales), and for int4 every Linear but the head on `tinygemm_grid` of that form widened back to
+    bfloat16; each Linear rounds its input
+    and its output to bfloat16, as the kernels read and write them. The reference the packed kernels are compared
+    with."""
+    rounded = untie(copy.deepcopy(source).to(torch.bfloat16))
+    stored = copy.deepcopy(rounded)
     torchao.quantization.quantize_(stored, weight_config(), filter_fn=lambda m, _: isinstance(m, nn.Linear))
-    reference = untie(copy.deepcopy(source)).float()
+    reference = rounded.float()
     layers = dict(stored.named_modules())
     for name, module in reference.named_modules():
         if isinstance(module, nn.Linear):
-            weight = layers[name].weight.dequantize().to(dtype)
-            if kind == "int4" and name != "lm_head":
-                weight = tinygemm_grid(weight)
+            stored_weight = layers[name].weight  # (the int8 kernel multiplies its values and scales exactly)
+            weight = stored_weight.qdata.float() * stored_weight.scale.float().reshape(-1, 1)
+            if kind == "int4" and name != "lm_head":  # (requantized from the bfloat16 weights)
+                weight = tinygemm_grid(stored_weight.dequantize().to(torch.bfloat16))
             module.weight = nn.Parameter(weight.float())
-    embedding = reference.get_input_embeddings()
-    embedding.weight = nn.Parameter(stored.get_input_embeddings().weight.detach().float())
+            module.register_forward_pre_hook(in_bfloat16)
+            module.register_forward_hook(out_of_bfloat16)
     return reference.eval()
 
 
@@ -78,12 +95,12 @@ def test_packed_kernels_multiply_every_linear_and_the_head(kind):
     model = quantize(copy.deepcopy(source), kind)
     linears = sum(isinstance(m, nn.Linear) for m in source.modules())
     assert isinstance(model.lm_head, Int8Linear)  # the head is int8 in both
-    if kind == "int8":
-        assert not any(isinstance(m, nn.Linear) for m in model.modules())
-    else:
-        body = [m for m in model.modules() if isinstance(m, nn.Linear)]
-        assert len(body) == linears - 1 and all(isinstance(m.weight, Int4OpaqueTensor) for m in body)
-    assert model.get_input_embeddings().weight.dtype == torch.bfloat16  # the lookup keeps its rows
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    if kind == "int4":
+        body = [m for m in model.modules() if isinstance(m, Int4Linear)]
+        assert len(body) == linears - 1
+        assert {m.scale_and_zero.dtype for m in body} == {torch.bfloat16}  # what tinygemm reads fastest
+    assert model.get_input_embeddings().weight.dtype == torch.float32  # the lookup keeps its rows, in float32
     assert not model.config.tie_word_embeddings and weights_of(model) == kind
     ids = torch.randint(1, VOCAB, (2, 12))
     calls = kernel_calls(model, ids)  # the packed kernels, once per Linear
@@ -96,18 +113,25 @@ def test_packed_kernels_multiply_every_linear_and_the_head(kind):
 def test_logits_equal_the_dequantized_reference_and_stay_near_float32(kind, dtype):
     source = perturbed_model(config())
     model = quantize(copy.deepcopy(source), kind, dtype)
+    assert {m.scale.dtype for m in model.modules() if isinstance(m, Int8Linear)} == {torch.bfloat16}
+    assert {p.dtype for n, p in model.named_parameters() if "norm" in n} == {dtype}  # the rest in `dtype`
+    reference_model = dequantized_reference(source, kind)
+    x = torch.randn(3, 7, model.config.hidden_size, dtype=dtype)
+    layers = dict(reference_model.named_modules())
+    with torch.no_grad():  # each quantized Linear: what a plain Linear computes on its dequantized weights, its
+        for name, module in model.named_modules():  # input and output in bfloat16 (up to a step of its output)
+            if isinstance(module, (Int8Linear, Int4Linear)) and module.in_features == x.shape[-1]:
+                torch.testing.assert_close(module(x).float(), layers[name](x.float()), atol=2e-3, rtol=2 ** -7)
+                assert module(x).dtype == dtype
     ids = torch.randint(1, VOCAB, (2, 20))
     with torch.no_grad():
         got = model(ids).logits.float()
-        reference = dequantized_reference(source, kind, dtype)(ids).logits
+        reference = reference_model(ids).logits
         full = source(ids).logits
-    # the packed kernels compute what plain float32 Linears compute on the dequantized weights (bfloat16
-    # activations round every layer's input to 8 bits of mantissa)
-    if dtype == torch.float32:  # (tinygemm keeps its scales and zeros in bfloat16)
-        torch.testing.assert_close(got, reference, atol={"int8": 1e-4, "int4": 0.05}[kind], rtol=0)
-    else:  # far nearer the dequantized weights' logits than float32's
-        assert (got - reference).abs().mean() < (full - reference).abs().mean() / {"int8": 1, "int4": 1.5}[kind]
-        torch.testing.assert_close(got, reference, atol=1.0, rtol=0)
+    # and so the model: far nearer the dequantized weights' logits than float32's (bfloat16 steps, apart where
+    # the order of the sums rounds the other way, propagate through the layers)
+    assert (got - reference).abs().mean() < (full - reference).abs().mean() / {"int8": 1, "int4": 1.5}[kind]
+    torch.testing.assert_close(got, reference, atol={"int8": 0.1, "int4": 1.0}[kind], rtol=0)
 
     # and the quantization's error against float32: a signal-to-noise bound (dB) of the logits for weight-only
     # int8 (one scale per row) and int4 (groups of 32) on random weights
@@ -128,19 +152,19 @@ def test_greedy_tokens_of_a_trained_model_survive_quantization():
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_window_sinks_and_memory_read_on_quantized_weights(kind):
     """Sliding window + sinks + block memory past it, on a trained model: the quantized model reads as the
-    dequantized reference does, and the memory's store holds bfloat16 (the activations') keys."""
+    dequantized reference does, and the memory's store holds float32 (the activations') keys."""
     trained = trained_model(config(), steps=150)
     trained.config.update(dict(attention_mode="sliding", attention_window=16, attention_sinks=2,
                                attention_memory_blocks=2, attention_memory_block_size=4))
     model = quantize(copy.deepcopy(trained), kind)
-    reference = dequantized_reference(trained, kind, torch.bfloat16)
+    reference = dequantized_reference(trained, kind)
     for length in (31, 32, 33, 47):  # around block boundaries, past the window
         ids = markov_batch(1, length, seed=length, vocab=VOCAB)
         cache = LexCache(model.config)
         tokens = greedy_tokens(model, ids, 12, cache=cache)
         assert cache.memory_bytes > 0
         stores = [layer.memory for layer in cache.layers]
-        assert {store.keys.dtype for store in stores} == {store.values.dtype for store in stores} == {torch.bfloat16}
+        assert {store.keys.dtype for store in stores} == {store.values.dtype for store in stores} == {torch.float32}
         torch.testing.assert_close(tokens, greedy_tokens(reference, ids, 12, cache=LexCache(reference.config)))
 
 
@@ -174,7 +198,7 @@ import json, sys, torch
 from transformers import AutoModelForCausalLM
 sys.path.insert(0, {root!r})
 import modeling_lex  # registers the LEX classes (a LEX folder exported with its code needs no import)
-model = AutoModelForCausalLM.from_pretrained({folder!r}).eval()
+model = AutoModelForCausalLM.from_pretrained({folder!r}, dtype=torch.float32).eval()
 kinds = sorted({{type(p).__name__ for n, p in model.named_parameters() if n.endswith("proj.weight")}})
 ids = torch.tensor({ids})
 with torch.no_grad():
@@ -207,7 +231,7 @@ def test_convert_hf_quantize_writes_a_folder_that_loads_quantized_in_a_fresh_pro
     fresh = torch.load(saved)
     assert fresh["kinds"] == ["Int8Tensor"]  # loaded quantized (the stored form of both)
     assert stored_kind(out) == kind
-    assert fresh["dtype"] == "torch.bfloat16"
+    assert fresh["dtype"] == "torch.float32"
     torch.testing.assert_close(fresh["packed"], expected, atol=0, rtol=0)  # in the CPU layouts: the same logits
     torch.testing.assert_close(fresh["raw"], expected, atol=0.1, rtol=0.05)  # torchao's own eager matmul
     # lex's loaders lay a quantized folder out for the CPU kernels themselves
@@ -225,7 +249,7 @@ def test_generate_and_eval_length_take_quantize(llama_folder, tmp_path, capsys):
                 "--attention_mode", "sliding", "--attention_window", "16", "--attention_sinks", "2",
                 "--attention_memory_blocks", "2", "--attention_memory_block_size", "4", "--quantize", "int4",
                 "--no_progress"]) == 0
-    assert "int4 weights, torch.bfloat16 activations" in capsys.readouterr().err
+    assert "int4 weights, torch.float32 activations" in capsys.readouterr().err
     text = tmp_path / "held_out.txt"
     text.write_text(" ".join(f"w{(7 * i) % 96}" for i in range(200)))
     assert lex(["eval-length", str(llama_folder), "--files", str(text), "--lengths", "32,64",

@@ -256,7 +256,7 @@ def positive_float(text: str) -> float:
 
 QUANTIZE_HELP = ("weight-only quantization for CPU decoding through torchao (pip install -e \".[cpu-quant]\"): "
                  "int8 (one scale per row) or int4 (groups of 32), every Linear and the LM head; the model then "
-                 "computes in bfloat16 unless --dtype says otherwise")
+                 "computes in float32 unless --dtype says otherwise (the quantized Linears multiply in bfloat16)")
 
 
 def add_quantize_argument(parser: argparse.ArgumentParser) -> None:

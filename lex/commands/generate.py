@@ -55,7 +55,7 @@ def build_parser() -> LexArgumentParser:
                              "of RAM (its representatives, a ninth of it, stay in RAM)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=DTYPES,
-                        help="weights and activations (default: float32; bfloat16 for quantized weights)")
+                        help="weights and activations (default: float32; quantized Linears multiply in bfloat16)")
     add_quantize_argument(parser)
     add_tp_argument(parser)
     parser.add_argument("--compile", action="store_true",
