@@ -460,7 +460,11 @@ class LexCache(LexCacheSteps, DynamicCache):
 
 
 class LexStaticLayer(CacheLayerMixin):
-    """S sink slots and the latest window keys and values of one layer, oldest first, in buffers written in place."""
+    """S sink slots and the latest window keys and values of one layer, oldest first, in buffers written in place.
+
+    `update` returns the slots followed by the new keys as new tensors, and `commit` writes the slots. A decoding
+    step that sees its sinks in the cache's frame turns them in what `update` returned (`sinks_lent`): the raw
+    sink keys are kept apart until `commit`, which reads them from there."""
 
     is_compileable = True
     is_sliding = False
@@ -469,6 +473,7 @@ class LexStaticLayer(CacheLayerMixin):
     def __init__(self, window_slots: int, sink_slots: int) -> None:
         super().__init__()
         self.window_slots, self.sink_slots = window_slots, sink_slots
+        self._joined = self._raw_sinks = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -484,24 +489,27 @@ class LexStaticLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._joined = torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
-        keys = self._joined[0]
-        if request.sinks_lent:  # attention turns the sinks in what it is given: a copy, the slots stay raw
-            keys = keys.clone()
-        return keys, self._joined[1]
+        self._raw_sinks = self.keys[:, :, : self.sink_slots].clone() if request.sinks_lent else None
+        return self._joined
 
     def commit(self, record: ForwardRecord) -> None:
-        """Write the slots in place: the sink slots' new contents where the record says, the latest window keys."""
+        """Write the slots in place: the sink slots' new contents where the record says (from the raw keys), the
+        latest window keys."""
         if not self.is_initialized:
             return None
-        for buffer, joined in zip((self.keys, self.values), self._joined):
+        for which, (buffer, joined) in enumerate(zip((self.keys, self.values), self._joined)):
             if record.sink_source is not None:
-                buffer[:, :, : self.sink_slots].copy_(_gather_columns(joined, record.sink_source))
+                sinks = _gather_columns(joined, record.sink_source)
+                if which == 0 and self._raw_sinks is not None:  # (a source among the sink slots: their raw keys)
+                    raw = _gather_columns(self._raw_sinks, record.sink_source.clamp(max=self.sink_slots - 1))
+                    sinks = torch.where((record.sink_source < self.sink_slots)[:, None, :, None], raw, sinks)
+                buffer[:, :, : self.sink_slots].copy_(sinks)
             buffer[:, :, self.sink_slots :].copy_(joined[:, :, joined.shape[2] - self.window_slots :])
-        self._joined = None
+        self._joined = self._raw_sinks = None
 
     def discard(self) -> None:
         """The forward raised: drop what it read."""
-        self._joined = None
+        self._joined = self._raw_sinks = None
 
     def get_seq_length(self) -> int:
         return self.sink_slots + self.window_slots
