@@ -4,10 +4,10 @@ Decoding a small model on a CPU spends much of each step in the framework (a mod
 attention backend per layer); compiled, the whole step is one graph. The rule is transformers' documented compiled
 decoding (`cache_implementation="static"` and a `torch.compile`d forward) with two choices of its own:
 
-- the prompt is read before the step is compiled, uncompiled, into a `LexStaticCache` (all but its last token, in
-  the forwards the model's long forward runs): a prompt of any length then costs no graph of its own, and every
-  step generate() runs afterwards has the same shapes, so the step compiles once (`fullgraph=True`,
-  `dynamic=False`);
+- the prompt is read before the step is compiled, uncompiled, through a `LexCache` (all but its last token, in
+  the forwards the model's long forward runs), which a `LexStaticCache` then holds: a prompt of any length
+  costs no graph of its own, and every step generate() runs afterwards has the same shapes, so the step
+  compiles once (`fullgraph=True`, `dynamic=False`);
 - on a CPU, Inductor calls the step's kernels from generated C++ (`cpp_wrapper`) and folds the weights into the
   graph as constants (`freezing`), which removes the per-kernel Python calls that dominate a small model's step.
 
@@ -17,7 +17,7 @@ refuses it by name (`LexStaticCache`), and so does this module's caller.
 
 import torch
 
-from modeling_lex import LexStaticCache
+from modeling_lex import LexCache, LexStaticCache
 
 CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True, "freezing": True}
 
@@ -25,11 +25,16 @@ CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True, "freezing": True}
 @torch.no_grad()
 def read_prompt(model, input_ids: torch.Tensor, max_cache_len: int | None = None) -> LexStaticCache:
     """A LexStaticCache that has read all but the last token of `input_ids` (uncompiled); `max_cache_len`: its slots
-    in full attention (the prompt and every token to be generated)."""
-    cache = LexStaticCache(model.config, max_cache_len=max_cache_len)
-    if input_ids.shape[1] > 1:
-        model.model(input_ids=input_ids[:, :-1], cache=cache, use_cache=True)
-    return cache
+    in full attention (the prompt and every token to be generated). In sliding and full mode the prompt is read
+    through a LexCache, whose first forward reads plainly causal, with no empty slots in front of it; in blockwise
+    mode, where a LexCache holds only the blocks its next queries see, fewer keys than the slots, straight into
+    the static cache."""
+    cache = LexStaticCache(model.config, max_cache_len=max_cache_len)  # (a block memory is refused before reading)
+    if input_ids.shape[1] < 2:
+        return cache
+    read = cache if cache.policy.mode == "blockwise" else LexCache(model.config)
+    model.model(input_ids=input_ids[:, :-1], cache=read, use_cache=True)
+    return cache if read is cache else cache.load(read)
 
 
 def compile_decoding(model) -> None:

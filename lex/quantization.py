@@ -17,8 +17,7 @@ copy. The quantized Linears multiply in bfloat16 (`KERNEL_DTYPE`) whatever the a
 their input to it and return the activations' dtype. The rest of the model (norms, attention, the caches and the
 block memory's store) computes in the activations' dtype, float32 unless asked otherwise: torch's packed kernels
 are fastest on bfloat16 (its int4 CPU kernel is an order of magnitude slower on float32), and its CPU attention
-is several times faster on float32 (one query against a window of 1,028 keys: 0.1 ms against 0.7 ms on a 2-core
-AMD EPYC, benchmarks/llamacpp_peer.py's machine).
+for one query is several times faster on float32.
 
 In memory (`quantize`) and from a saved folder (`save_quantized`, then `from_pretrained` and `for_cpu` with the
 folder's `stored_kind`) a model goes through the same steps on the same bfloat16 weights, so both give the same

@@ -566,6 +566,44 @@ class LexStaticCache(LexCacheSteps, StaticCache):
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return self.sink_slots + self.window_slots + query_length, 0
 
+    def load(self, cache: LexCache) -> "LexStaticCache":
+        """Hold what `cache` (a LexCache of the same config, between forwards) holds: its sink slots in the sink
+        slots, its window part in the last window slots (the slots before it empty, as a fresh cache's are), and
+        its stream's metadata. A prompt read through a LexCache, which reads a first forward plainly causal without
+        empty slots in front of it, then continues in fixed shapes (`lex.compiled_decoding.read_prompt`)."""
+        source, target = cache.stream, self.stream
+        if source.positions is None:  # (nothing read)
+            return self
+        held, slots = source.held, self.window_slots
+        # (its window part must fill the slots, or hold the whole stream: the window slots hold consecutive stream
+        # indices, the empty ones before the stream's first)
+        if (held != slots and held != source.seen) or held > slots or source.record_past or (
+                source.sink_slots not in (0, self.sink_slots)):
+            raise ValueError(f"LexStaticCache.load: a LexCache that has read {source.seen} tokens and holds {held} "
+                             f"window keys and {source.sink_slots} sink slots (while recording: "
+                             f"{source.record_past}); allowed: {slots} window keys, or every token read and at most "
+                             f"{slots}, and {self.sink_slots} or no sink slots, not recording")
+        target._initialize(source.positions.shape[0], source.positions.device)
+        for name in ("positions", "valid"):
+            getattr(target, name)[:, slots - held :] = getattr(source, name)
+        target.index[slots - held :] = source.index
+        for name in ("start", "last_position", "started"):
+            getattr(target.after, name)[:, slots - held :] = getattr(source.after, name)
+        target.state.copy_(source.state)
+        if self.sink_slots:
+            for name in ("sink_index", "sink_positions", "sink_valid"):
+                getattr(target, name).copy_(getattr(source, name))
+        target.seen.fill_(source.seen)
+        for mine, theirs in zip(self.layers, cache.layers):
+            if theirs.keys is None:
+                continue
+            mine.lazy_initialization(theirs.keys, theirs.values)
+            for buffer, raw, sinks in zip((mine.keys, mine.values), (theirs.keys, theirs.values), theirs._sinks):
+                count = 0 if sinks is None else sinks.shape[2]
+                buffer[:, :, :count] = raw[:, :, :count]
+                buffer[:, :, buffer.shape[2] - held :] = raw[:, :, count:]
+        return self
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
         self.stream.apply_to_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))

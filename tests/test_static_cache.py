@@ -72,6 +72,30 @@ def test_static_cache_slots_and_tokens(mode, rule):
     assert torch.equal(again.sequences, short.sequences)
 
 
+@pytest.mark.parametrize("rule", SINK_POSITIONS)
+@pytest.mark.parametrize("mode", ["blockwise", "sliding", "full"])
+def test_a_prompt_read_through_the_default_cache_continues_in_the_static_one(mode, rule):
+    """lex.compiled_decoding.read_prompt reads the prompt through a LexCache and hands it to a LexStaticCache
+    (`load`; blockwise: straight into the static cache): uncompiled, the static cache then decodes the default
+    cache's tokens and logits, for prompts around block boundaries and past the window, with and without sinks."""
+    from lex.compiled_decoding import read_prompt
+    from modeling_lex.generation import CACHE_NAME
+    from tests.helpers import prompt
+
+    for sinks in (0, S):
+        model = perturbed_model(tiny_config(attention_mode=mode, attention_sinks=sinks,
+                                            attention_sink_positions=rule))
+        for length in (2, W - 1, W, W + 1, 2 * W + 3, 5 * W):
+            ids = prompt(1, length, seed=length)
+            max_cache_len = length + 2 * W if mode == "full" else None
+            default = greedy(model, ids, max_new_tokens=2 * W)
+            cache = read_prompt(model, ids, max_cache_len=max_cache_len)
+            assert int(cache.stream.seen) == length - 1
+            static = greedy(model, ids, max_new_tokens=2 * W, **{CACHE_NAME: cache})
+            assert torch.equal(static.sequences, default.sequences), (sinks, length)
+            torch.testing.assert_close(torch.stack(static.logits), torch.stack(default.logits), atol=1e-4, rtol=1e-4)
+
+
 # ---------------------------------------------------------------- compiled decoding
 
 
