@@ -20,6 +20,7 @@ from tests.helpers import (
     load_weights,
     markov_batch,
     perturbed_model,
+    prompt,
     tiny_config,
     trained_model,
 )
@@ -73,6 +74,20 @@ def test_static_cache_slots_and_tokens(mode, rule):
 
 
 @pytest.mark.parametrize("rule", SINK_POSITIONS)
+def test_rope_sinks_turned_in_what_the_static_cache_lends_leave_its_slots_raw(rule):
+    """RoPE sinks seen in the cache's frame are turned in the keys the static cache lends attention; its slots keep
+    the raw keys, so decoding far past the window gives the default cache's logits."""
+    model = perturbed_model(tiny_config(position_embedding_type="rope", attention_mode="sliding", attention_sinks=S,
+                                        attention_sink_positions=rule))
+    for length in (W + 1, 2 * W + 3):
+        ids = prompt(1, length, seed=length)
+        default = greedy(model, ids, max_new_tokens=3 * W)
+        static = greedy(model, ids, max_new_tokens=3 * W, cache_implementation="static")
+        assert torch.equal(static.sequences, default.sequences)
+        torch.testing.assert_close(torch.stack(static.logits), torch.stack(default.logits), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rule", SINK_POSITIONS)
 @pytest.mark.parametrize("mode", ["blockwise", "sliding", "full"])
 def test_a_prompt_read_through_the_default_cache_continues_in_the_static_one(mode, rule):
     """lex.compiled_decoding.read_prompt reads the prompt through a LexCache and hands it to a LexStaticCache
@@ -80,7 +95,6 @@ def test_a_prompt_read_through_the_default_cache_continues_in_the_static_one(mod
     cache's tokens and logits, for prompts around block boundaries and past the window, with and without sinks."""
     from lex.compiled_decoding import read_prompt
     from modeling_lex.generation import CACHE_NAME
-    from tests.helpers import prompt
 
     for sinks in (0, S):
         model = perturbed_model(tiny_config(attention_mode=mode, attention_sinks=sinks,
