@@ -2,7 +2,7 @@
 
 import configuration_lex  # noqa: F401  (registers AutoConfig "lex")
 
-from .cache import LexCache, LexStaticCache
+from .cache import LexCache, LexRows, LexStaticCache
 from .modeling_lex import LexForCausalLM, LexModel, LexPreTrainedModel
 
-__all__ = ["LexCache", "LexForCausalLM", "LexModel", "LexPreTrainedModel", "LexStaticCache"]
+__all__ = ["LexCache", "LexForCausalLM", "LexRows", "LexModel", "LexPreTrainedModel", "LexStaticCache"]

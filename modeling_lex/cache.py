@@ -616,4 +616,24 @@ class LexStaticCache(LexCacheSteps, StaticCache):
 LEX_CACHES = (LexCache, LexStaticCache)
 
 
-__all__ = ["LEX_CACHES", "LexCache", "LexCacheSteps", "LexStaticCache"]
+class LexRows:
+    """The caches of requests decoded together, one LexCache (of one row) per row of the batch: a server's
+    continuous batch, whose requests have read different documents to different lengths. A forward over it runs
+    the embeddings, norms, projections, MLPs and head on the whole batch and each row's attention through its own
+    cache, with that row's own record and plan, so a row attends exactly as a lone forward of it does; each cache
+    keeps what its row's forward read when the forward ends, and a forward that raises leaves every one as it was.
+    Rows join and leave between forwards (a list, read once per forward)."""
+
+    def __init__(self, caches: list[LexCache]) -> None:
+        if not caches or any(not isinstance(cache, LexCache) or cache.stream.positions is None
+                             or cache.stream.positions.shape[0] != 1 for cache in caches):
+            raise ValueError("LexRows takes LexCaches of one row each that have read at least one forward (a "
+                             "request's prompt): each row continues its own stream")
+        self.rows = caches
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The longest row's stream (what transformers' tools ask a cache; each row has its own)."""
+        return max(cache.seen for cache in self.rows)
+
+
+__all__ = ["LEX_CACHES", "LexCache", "LexCacheSteps", "LexRows", "LexStaticCache"]

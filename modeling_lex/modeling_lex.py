@@ -36,8 +36,8 @@ from transformers.utils.output_capturing import capture_outputs
 
 from configuration_lex.configuration_lex import LexConfig
 
-from .cache import LEX_CACHES, LexCache, LexCacheSteps, LexStaticCache
-from .stream import begin_forward
+from .cache import LEX_CACHES, LexCache, LexCacheSteps, LexRows, LexStaticCache
+from .stream import ForwardRecord, begin_forward
 from .generation import CACHE_NAME, LexGenerationMixin, accepts_both_cache_names
 from .kernels import arrange, attention_map, eager_attention_forward, encode_tokens
 from .reading import AttentionPlan, ReadingPolicy, build_plan
@@ -299,13 +299,18 @@ class LexDecoderLayer(GradientCheckpointingLayer):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        plan: AttentionPlan,
-        cache: Cache | None = None,
+        plan: AttentionPlan | list[AttentionPlan],
+        cache: Cache | LexRows | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
+        """`plan`: the forward's, or with `LexRows` one per row."""
         norm = self.self_attn_layer_norm
-        attended, _ = self.self_attn(norm(hidden_states) if self.normalize_before else hidden_states, plan=plan,
-                                     cache=cache, **kwargs)
+        attend = norm(hidden_states) if self.normalize_before else hidden_states
+        if isinstance(cache, LexRows):  # requests decoded together: each row attends through its own cache and plan
+            attended = torch.cat([self.self_attn(attend[row : row + 1], plan=row_plan, cache=row_cache, **kwargs)[0]
+                                  for row, (row_plan, row_cache) in enumerate(zip(plan, cache.rows))])
+        else:
+            attended, _ = self.self_attn(attend, plan=plan, cache=cache, **kwargs)
         hidden_states = self._residual(hidden_states, attended, norm, self.post_self_attn_layer_norm)
         norm = self.final_layer_norm
         return self._residual(hidden_states, self.mlp(norm(hidden_states) if self.normalize_before else hidden_states),
@@ -513,7 +518,9 @@ class LexModel(LexPreTrainedModel):
         **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPast:
         """One forward over the whole input, read by `policy`: its record, its plan, every layer inside the cache's
-        step."""
+        step (with `LexRows`, each row's)."""
+        if isinstance(cache, LexRows):
+            return self._read_rows(input_ids, cache, policy, **kwargs)
         if use_cache and cache is None:
             cache = LexCache(self.config)
         reference = input_ids if input_ids is not None else inputs_embeds
@@ -527,25 +534,57 @@ class LexModel(LexPreTrainedModel):
         # (the weights' device and dtype; a later pipeline stage has no embeddings and is given hidden states)
         like = inputs_embeds if inputs_embeds is not None else self.embed_tokens.weight
         record = begin_forward(policy, *reference.shape[:2], like.device, attention_mask, position_ids, cache)
-        maps = kwargs.get("output_attentions", self.config.output_attentions)
-        plan = build_plan(policy, self.position_method, record.context, like.dtype, attention_maps=bool(maps))
+        maps = bool(kwargs.get("output_attentions", self.config.output_attentions))
+        plans = self._layer_plans(policy, record, like.dtype, maps)
         hidden_states = self.embed(input_ids, inputs_embeds, record.context.query_positions)
-        rope_layers, local_layers = self.config.rope_layers, self.config.local_layers
-        plans = {}  # (local, rotary) -> the plan of such layers, made once per forward
         step = cache.step(record) if isinstance(cache, LexCacheSteps) else contextlib.nullcontext()
         with step:  # a LEX cache keeps what the record says once every layer ran
-            for index, layer in enumerate(self.layers):
-                kind = (local_layers is not None and local_layers[index], rope_layers is None or rope_layers[index])
-                if kind not in plans:
-                    layer_plan = plan
-                    if kind[0]:  # a local layer: its own window and rope over the same record
-                        layer_plan = build_plan(policy.local(), self.local_position_method, record.context,
-                                                like.dtype, attention_maps=bool(maps))
-                    plans[kind] = layer_plan if kind[1] else without_positions(layer_plan)
-                hidden_states = layer(hidden_states, plan=plans[kind], cache=cache, **kwargs)
+            for layer, layer_plan in zip(self.layers, plans):
+                hidden_states = layer(hidden_states, plan=layer_plan, cache=cache, **kwargs)
         if self.norm is not None:
             hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_NAME: cache})
+
+    def _read_rows(self, input_ids: torch.LongTensor | None, rows: LexRows, policy: ReadingPolicy,
+                   **kwargs: Unpack[TransformersKwargs]) -> BaseModelOutputWithPast:
+        """One forward of the rows' next tokens (B, T), each row continuing its own cache's stream: one record and
+        plan per row, every row's cache inside its step, the layers run once on the whole batch."""
+        if input_ids is None or input_ids.shape[0] != len(rows.rows):
+            raise ValueError(f"a forward over LexRows of {len(rows.rows)} rows takes input_ids of as many rows, got "
+                             f"{None if input_ids is None else tuple(input_ids.shape)}")
+        weight = self.embed_tokens.weight
+        records = [begin_forward(policy, 1, input_ids.shape[1], weight.device, None, None, cache)
+                   for cache in rows.rows]
+        plans = [self._layer_plans(policy, record, weight.dtype, False) for record in records]
+        positions = torch.cat([record.context.query_positions for record in records])
+        hidden_states = self.embed(input_ids, None, positions)
+        with contextlib.ExitStack() as steps:  # every row's cache keeps what its record says once every layer ran
+            for cache, record in zip(rows.rows, records):
+                steps.enter_context(cache.step(record))
+            for index, layer in enumerate(self.layers):
+                hidden_states = layer(hidden_states, plan=[row[index] for row in plans], cache=rows, **kwargs)
+        if self.norm is not None:
+            hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_NAME: rows})
+
+    def _layer_plans(self, policy: ReadingPolicy, record: ForwardRecord, dtype: torch.dtype, maps: bool
+                     ) -> list[AttentionPlan]:
+        """Each layer's plan for the forward of `record`: one per kind of layer (local or global, with or without
+        positions), made once per forward."""
+        rope_layers, local_layers = self.config.rope_layers, self.config.local_layers
+        plan = build_plan(policy, self.position_method, record.context, dtype, attention_maps=maps)
+        kinds = {}  # (local, rotary) -> the plan of such layers
+        plans = []
+        for index in range(len(self.layers)):
+            kind = (local_layers is not None and local_layers[index], rope_layers is None or rope_layers[index])
+            if kind not in kinds:
+                layer_plan = plan
+                if kind[0]:  # a local layer: its own window and rope over the same record
+                    layer_plan = build_plan(policy.local(), self.local_position_method, record.context, dtype,
+                                            attention_maps=maps)
+                kinds[kind] = layer_plan if kind[1] else without_positions(layer_plan)
+            plans.append(kinds[kind])
+        return plans
 
 
 class LexForCausalLM(LexPreTrainedModel, LexGenerationMixin, GenerationMixin):
