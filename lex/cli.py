@@ -22,6 +22,7 @@ COMMANDS = {
     "train": ("lex.commands.train", "main", "train or fine-tune with the HF Trainer (run_clm-style arguments)"),
     "eval-length": ("lex.commands.eval_length", "main", "perplexity by evaluation length, resolution, passkey"),
     "generate": ("lex.commands.generate", "main", "generate from a long prompt with the bounded cache"),
+    "serve": ("lex.commands.serve", "main", "an OpenAI-compatible server decoding concurrent requests together"),
     "convert-torchscale": ("lex.commands.convert", "main_from_torchscale", "TorchScale checkpoint -> HF folder"),
     "convert-to-torchscale": ("lex.commands.convert", "main_to_torchscale", "HF folder -> TorchScale state dict"),
     "convert-hf": ("lex.commands.convert_hf", "main_convert_hf", "Llama-family / Qwen3 / Phi-3 / SmolLM3 / Gemma 2-3 -> LEX"),
