@@ -40,8 +40,8 @@ def build_parser() -> LexArgumentParser:
                         help="requests decoded together at most (more wait for a row)")
     parser.add_argument("--max_new_tokens_limit", type=positive_int, default=4096,
                         help="the largest max_tokens a request may ask for")
-    parser.add_argument("--default_max_tokens", type=positive_int, default=256,
-                        help="new tokens for a request that gives no max_tokens")
+    parser.add_argument("--default_max_tokens", type=positive_int,
+                        help="new tokens for a request that gives no max_tokens (default: 256, or the limit if less)")
     parser.add_argument("--max_prompt_tokens", type=positive_int, default=1 << 20,
                         help="the longest prompt a request may send, in tokens")
     parser.add_argument("--state_cache_bytes", type=int, default=0,
@@ -74,6 +74,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      f"{parser.flag('state_cache_bytes')} > 0 too")
     if args.state_dir is not None and args.state_dir.exists() and not args.state_dir.is_dir():
         parser.error(f"{parser.flag('state_dir')} {args.state_dir}: a file, not a folder")
+    if args.default_max_tokens is None:
+        args.default_max_tokens = min(256, args.max_new_tokens_limit)
     if args.default_max_tokens > args.max_new_tokens_limit:
         parser.error(f"{parser.flag('default_max_tokens')} {args.default_max_tokens} is past "
                      f"{parser.flag('max_new_tokens_limit')} {args.max_new_tokens_limit}")
