@@ -486,4 +486,4 @@ def disk_bytes(folder: str | Path) -> int:
     return sum(path.stat().st_blocks * 512 for path in Path(folder).iterdir())
 
 
-__all__ = ["DocumentState", "StateError", "config_fingerprint", "disk_bytes", "read_steps", "weights_fingerprint"]
+__all__ = ["DocumentState", "StateError", "config_fingerprint", "disk_bytes", "identity", "read_steps", "weights_fingerprint"]

@@ -413,3 +413,70 @@ safetensors.torch.save_file({{"logits": state.logits, "tokens": out.sequences[0,
     torch.testing.assert_close(there["logits"], state.logits, atol=1e-5, rtol=1e-5)
     assert torch.equal(there["tokens"], answers[0][0])
     torch.testing.assert_close(there["answer"], answers[0][1], atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ the command line
+
+
+@pytest.fixture(scope="module")
+def cli_model(tmp_path_factory) -> tuple[Path, LexForCausalLM, object, Path]:
+    """A tiny LEX folder (sliding, 2 sinks, a memory of 2 blocks of 4) with a word tokenizer, and a document of
+    3 windows and more in a text file."""
+    from tests.helpers import word_tokenizer
+
+    base = tmp_path_factory.mktemp("cli")
+    tokenizer, words = word_tokenizer()
+    model = model_for("sliding", True)
+    model.save_pretrained(base / "model")
+    tokenizer.save_pretrained(base / "model")
+    (base / "book.txt").write_text(" ".join(words[(7 * i) % 96] for i in range(DOCUMENT)))
+    return base / "model", model, tokenizer, base / "book.txt"
+
+
+def test_cli_saves_a_state_and_answers_from_it_reading_only_the_question(cli_model, lex_run, tmp_path):
+    """`lex generate MODEL --prompt_file book.txt --save_state S` reads and saves, generating nothing; `lex generate
+    MODEL --state S --prompt Q` answers as a fresh cache reading the book, then the question, does; with
+    --max_new_tokens the saving command answers too, as generate() on the book does."""
+    folder, model, tokenizer, book = cli_model
+    document = tokenizer(book.read_text(), return_tensors="pt").input_ids
+    status, out, err = lex_run("generate", folder, "--prompt_file", book, "--save_state", tmp_path / "s",
+                               "--no_progress")
+    assert status == 0 and out == "" and f"saved the state of {document.shape[1]} tokens" in err, err
+    question = "w3 w5 w8 w13"
+    ids = torch.cat([document, tokenizer(question, add_special_tokens=False, return_tensors="pt").input_ids], 1)
+    expected = tokenizer.decode(answer(model, ids, from_scratch(model, document))[0][:8])
+    status, out, err = lex_run("generate", folder, "--state", tmp_path / "s", "--prompt", question,
+                               "--max_new_tokens", "8")
+    assert status == 0 and out.split() == expected.split(), err
+    assert f"prompt: 4 tokens after the {document.shape[1]} of the state" in err
+    status, out, err = lex_run("generate", folder, "--prompt_file", book, "--save_state", tmp_path / "s",
+                               "--force", "--max_new_tokens", "8", "--no_progress")
+    fresh = model.generate(document, attention_mask=torch.ones_like(document), max_new_tokens=8, do_sample=False,
+                           pad_token_id=PAD)
+    assert status == 0 and out.split() == tokenizer.decode(fresh[0, document.shape[1]:]).split(), err
+    assert torch.equal(DocumentState.load(tmp_path / "s", model).tokens, document[0])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--prompt", "w1", "--prompt_file", "{book}"], "exactly one of the two (both given"),
+    (["--max_new_tokens", "2"], "give the text as --prompt TEXT or --prompt_file FILE"),
+    (["--prompt", "w1", "--state", "{state}", "--compile"], "--compile with --state: a document state is a LexCache"),
+    (["--prompt", "w1", "--save_state", "{new}", "--compile"], "--compile with --save_state"),
+    (["--prompt", "w1", "--state", "{missing}"], "--state {missing}: no such folder"),
+    (["--prompt", "w1", "--save_state", "{state}"], "--save_state {state} exists; pass --force"),
+    (["--prompt", "w1", "--state", "{state}", "--attention_window", "24"],
+     "attention_window 16 (saved) vs 24"),
+    (["--prompt", "w1", "--state", "{state}", "--dtype", "bfloat16"], "dtype float32 (saved); the model computes in "
+                                                                       "bfloat16"),
+])
+def test_cli_refuses_state_misuse_in_one_line_by_name(cli_model, lex_run, tmp_path, flags, message):
+    folder, _, _, book = cli_model
+    state = tmp_path / "state"
+    if not state.exists():
+        assert lex_run("generate", folder, "--prompt", "w1 w2 w3", "--save_state", state)[0] == 0
+    names = {"book": book, "state": state, "new": tmp_path / "new", "missing": tmp_path / "missing"}
+    status, out, err = lex_run("generate", folder, *[flag.format(**names) for flag in flags])
+    last = err.strip().splitlines()[-1]  # (after the weights' loading bar, for what the loaded model refuses)
+    assert status == 2 and "Traceback" not in err and last.startswith("lex generate: "), err
+    assert message.format(**names) in last, err
+    assert not (tmp_path / "new").exists()
