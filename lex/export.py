@@ -8,9 +8,13 @@ relatively, so that
 
     AutoModelForCausalLM.from_pretrained(OUT_DIR_or_repo, trust_remote_code=True)
 
-works where this package is not installed. The folder is written to a temporary sibling and moved into place
-only when complete; exporting twice gives identical files. --push_to_hub then uploads exactly that folder as
-one commit (files in the repository that the folder lacks are deleted; --dry_run only lists the commit).
+works where this package is not installed. Its config names `AutoModelForCausalLM` as its architecture, which
+finds the class through `auto_map`: transformers serve (5.23-5.25) loads a model as
+`getattr(transformers, config.architectures[0])`, so `transformers serve OUT_DIR --trust-remote-code` serves the
+folder (the class's own name, LexForCausalLM, is no attribute of transformers). The folder is written to a
+temporary sibling and moved into place only when complete; exporting twice gives identical files. --push_to_hub
+then uploads exactly that folder as one commit (files in the repository that the folder lacks are deleted;
+--dry_run only lists the commit).
 
 From Python: `export(model_or_dir, out_dir)` then `push_to_hub(out_dir, repo_id)`.
 """
@@ -40,6 +44,8 @@ AUTO_MAP = {
     "AutoModel": "modeling_lex.LexModel",
     "AutoModelForCausalLM": "modeling_lex.LexForCausalLM",
 }
+# config.json's `architectures`: a class of transformers that loads the folder through AUTO_MAP (see above).
+ARCHITECTURES = ["AutoModelForCausalLM"]
 # Every module of the two packages the remote code needs, and its flat file name. An import of any other
 # module of this project fails the export, so an edit cannot silently produce a folder that does not load.
 # Every module of the model, as a flat file of the exported folder (a module added to modeling_lex/ comes along).
@@ -176,6 +182,7 @@ def export(model, out_dir: str | Path, *, tokenizer=None, results: str | Path | 
     try:
         with saved_for_generation(model.config), atomic_directory(out_dir, force) as staging:
             model.save_pretrained(staging, max_shard_size=max_shard_size)
+            name_architecture(staging / "config.json")
             for name, text in sources.items():
                 (staging / name).write_text(text, encoding="utf-8")
             if tokenizer is not None:
@@ -184,6 +191,14 @@ def export(model, out_dir: str | Path, *, tokenizer=None, results: str | Path | 
     finally:
         model.config.auto_map = previous_auto_map
     return out_dir
+
+
+def name_architecture(config_file: Path) -> None:
+    """Set ARCHITECTURES in a saved config.json (save_pretrained writes the class's own name there), in the layout
+    transformers writes (PreTrainedConfig.to_json_string)."""
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    config["architectures"] = ARCHITECTURES
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def folder_files(folder: Path, exclude: tuple[str, ...] = ()) -> list[str]:

@@ -1,4 +1,4 @@
-"""Where LEX meets transformers' generation loop: every coupling to a transformers internal, in one module.
+"""Where LEX meets transformers' generation loop and serving: every coupling to a transformers internal, in one module.
 
 Written against transformers 5.23 to 5.25, the range setup.cfg declares (`TESTED_TRANSFORMERS`; CI runs the
 suite at both ends). Importing this module warns once when the installed transformers lies outside that range:
@@ -26,11 +26,31 @@ What LEX still overrides in `GenerationMixin`, each because transformers' own be
 The caches subclass DynamicCache / StaticCache (what tools test for) but hold LEX's own layers;
 `init_cache_layers` is the one place they set them up through `Cache.__init__`, past their parents' constructors,
 which would build layers from the config.
+
+What transformers' serving machinery would hand LEX, refused by name (LEX's window, sinks and block memory reach
+the attention function only as its `position_bias`, and live only in LEX's own caches):
+- Continuous batching (`ContinuousMixin`'s `init_continuous_batching`, `continuous_batching_context_manager` and
+  `generate_batch`; `transformers serve --continuous-batching` calls the first) builds a `PagedAttentionCache` and
+  paged attention, which know no sinks or memory: `LexGenerationMixin` overrides the three entry points to raise,
+  naming `lex serve` and generate() with a padded batch instead.
+- An attention implementation that ignores `position_bias` would compute other attention, silently
+  (`refuse_attention_without_position_bias`): transformers' paged ones (names starting with "paged"), the
+  engines' ("vllm", "sglang": their transformers backends set it on the config, then build the model) and kernels
+  from the Hub ("org/name"). `LexAttentionGuard` overrides `PreTrainedModel._check_and_adjust_attn_implementation`,
+  the one method that sees every requested name as it was asked for, at construction (`attn_implementation=`, a
+  config's `_attn_implementation`) and in `set_attn_implementation`: the public `get_correct_attn_implementation`
+  sees "paged|sdpa" as "sdpa" and never sees a Hub kernel, which 5.23 accepts for a model without flash attention.
+  eager, sdpa and any function registered with `AttentionInterface.register` (it receives `position_bias`) pass;
+  transformers itself refuses flash and flex attention (`_supports_flash_attn`, `_supports_flex_attn`).
+- `refuses_foreign_serving` (on LexModel.forward) checks at each forward what bypasses those hooks: a name written
+  to the config after construction, and a cache that is no transformers `Cache` (the `PagedAttentionCache`).
 """
 
 import functools
+import inspect
 import warnings
 from collections.abc import Callable
+from typing import Any, NoReturn
 
 from packaging.version import Version
 from transformers import __version__ as TRANSFORMERS_VERSION
@@ -83,6 +103,80 @@ def init_cache_layers(cache: Cache, layers: list) -> None:
     """Set up a LEX cache with its own layers (DynamicCache's and StaticCache's constructors would build
     transformers' layers from the config)."""
     Cache.__init__(cache, layers=layers)
+
+
+# The attention implementations LEX refuses, because their functions ignore `position_bias`: transformers' paged ones
+# ("paged|eager", "paged|sdpa", ...), the serving engines' (their transformers backends' functions) and kernels from
+# the Hub ("org/name", flash attention). Any other name reaches a function that receives `position_bias`: eager, sdpa,
+# or one registered with AttentionInterface.register.
+PAGED_ATTENTION_PREFIX = "paged"
+ENGINE_ATTENTION = ("vllm", "sglang")
+ATTENTION_WITH_POSITION_BIAS = ("eager", "sdpa")
+
+
+def refuse_attention_without_position_bias(name: str | None) -> None:
+    """A ValueError for an attention implementation that ignores `position_bias`, through which LEX passes its
+    window, sinks and block memory: the model would compute other attention, silently."""
+    if not isinstance(name, str):  # None: transformers' default (sdpa)
+        return
+    if not (name.startswith(PAGED_ATTENTION_PREFIX) or name in ENGINE_ATTENTION or "/" in name):
+        return
+    raise ValueError(
+        f"attn_implementation={name!r} is refused by LEX models: its attention function ignores `position_bias`, "
+        "through which LEX passes its window, sinks and block memory, so the model would compute other attention "
+        f"(refused: names starting with {PAGED_ATTENTION_PREFIX!r}, {', '.join(map(repr, ENGINE_ATTENTION))}, Hub "
+        f"kernels 'org/name'). Allowed: {', '.join(map(repr, ATTENTION_WITH_POSITION_BIAS))}, or a function "
+        "registered with transformers' AttentionInterface.register that adds `position_bias` to its scores. To "
+        "serve concurrent requests use `lex serve MODEL`."
+    )
+
+
+def refuse_continuous_batching(entry: str) -> NoReturn:
+    """transformers' continuous batching refused by name: its PagedAttentionCache and paged attention know no
+    window re-encoding, sinks or block memory."""
+    raise NotImplementedError(
+        f"{entry}: transformers' continuous batching is not supported by LEX models (its PagedAttentionCache and "
+        "paged attention know no sliding window re-encoding, sinks or block memory). For concurrent requests use "
+        "`lex serve MODEL`, an OpenAI-compatible server that decodes concurrent requests together; in Python, "
+        "generate() with a padded batch (the tokenizer's padding_side='left')."
+    )
+
+
+def refuses_foreign_serving(*own_caches: type) -> Callable[[Callable], Callable]:
+    """Check, at each forward, what the set-time hooks cannot see: an attention implementation written to the config
+    after construction, and a cache that is neither a transformers `Cache` (LexCache and LexStaticCache are) nor one
+    of `own_caches` (continuous batching's PagedAttentionCache would fail inside a layer with an AttributeError)."""
+    readable = (Cache, *own_caches)
+    allowed = ", ".join(["None", "LexCache or LexStaticCache (what generate() makes)",
+                         *(kind.__name__ for kind in own_caches),
+                         "or a transformers Cache such as DynamicCache (every key kept)"])
+
+    def decorate(forward: Callable) -> Callable:
+        position = list(inspect.signature(forward).parameters).index("cache")  # (counting self, which args lack)
+
+        @functools.wraps(forward)
+        def checked(self, *args, **kwargs):
+            refuse_attention_without_position_bias(self.config._attn_implementation)
+            cache = args[position - 1] if len(args) >= position else kwargs.get("cache")
+            if cache is not None and not isinstance(cache, readable):
+                raise ValueError(
+                    f"cache is a {type(cache).__name__}, which LEX models cannot read (transformers' continuous "
+                    f"batching is not supported: use `lex serve MODEL`). Allowed: {allowed}"
+                )
+            return forward(self, *args, **kwargs)
+
+        return checked
+
+    return decorate
+
+
+class LexAttentionGuard:
+    """Refuses, when it is set, an attention implementation that ignores `position_bias` (see the module
+    docstring); mixed in before PreTrainedModel."""
+
+    def _check_and_adjust_attn_implementation(self, attn_implementation: str | None, *args: Any, **kwargs: Any) -> str:
+        refuse_attention_without_position_bias(attn_implementation)
+        return super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
 
 
 class LexGenerationMixin:
@@ -142,8 +236,22 @@ class LexGenerationMixin:
                 criterion.max_position_embeddings = None
         return criteria
 
+    def init_continuous_batching(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Refused: see `refuse_continuous_batching`."""
+        refuse_continuous_batching("init_continuous_batching")
+
+    def continuous_batching_context_manager(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Refused: see `refuse_continuous_batching`."""
+        refuse_continuous_batching("continuous_batching_context_manager")
+
+    def generate_batch(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Refused: see `refuse_continuous_batching`."""
+        refuse_continuous_batching("generate_batch")
+
 
 __all__ = [
-    "CACHE_NAME", "TESTED_TRANSFORMERS", "LexGenerationMixin", "accepts_both_cache_names",
-    "init_cache_layers", "warn_if_untested",
+    "ATTENTION_WITH_POSITION_BIAS", "CACHE_NAME", "ENGINE_ATTENTION", "PAGED_ATTENTION_PREFIX",
+    "TESTED_TRANSFORMERS", "LexAttentionGuard", "LexGenerationMixin", "accepts_both_cache_names", "init_cache_layers",
+    "refuse_attention_without_position_bias", "refuse_continuous_batching", "refuses_foreign_serving",
+    "warn_if_untested",
 ]

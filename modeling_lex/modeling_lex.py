@@ -38,7 +38,8 @@ from configuration_lex.configuration_lex import LexConfig
 
 from .cache import LEX_CACHES, LexCache, LexCacheSteps, LexRows, LexStaticCache
 from .stream import ForwardRecord, begin_forward
-from .generation import CACHE_NAME, LexGenerationMixin, accepts_both_cache_names
+from .generation import (CACHE_NAME, LexAttentionGuard, LexGenerationMixin, accepts_both_cache_names,
+                         refuses_foreign_serving)
 from .kernels import arrange, attention_map, eager_attention_forward, encode_tokens
 from .reading import AttentionPlan, ReadingPolicy, build_plan
 from .positions import position_method
@@ -317,7 +318,7 @@ class LexDecoderLayer(GradientCheckpointingLayer):
                               norm, self.post_mlp_layer_norm)
 
 
-class LexPreTrainedModel(PreTrainedModel):
+class LexPreTrainedModel(LexAttentionGuard, PreTrainedModel):
     config: LexConfig
     config_class = LexConfig
     base_model_prefix = "model"
@@ -387,6 +388,7 @@ class LexModel(LexPreTrainedModel):
         return self.dropout(hidden) if self.training else hidden
 
     @accepts_both_cache_names
+    @refuses_foreign_serving(LexRows)
     @merge_with_config_defaults
     @capture_outputs
     def forward(

@@ -92,6 +92,7 @@ def test_folder_contents_and_auto_map(exported, model_dir):
     config = json.loads((exported / "config.json").read_text())
     assert config["auto_map"] == {"AutoConfig": "configuration_lex.LexConfig", "AutoModel": "modeling_lex.LexModel",
                                   "AutoModelForCausalLM": "modeling_lex.LexForCausalLM"}
+    assert config["architectures"] == ["AutoModelForCausalLM"]  # a transformers class: what transformers serve looks up
     for path in exported.glob("*.json"):  # nothing of this machine is published
         assert str(model_dir) not in path.read_text() and "/tmp/" not in path.read_text(), path.name
 
