@@ -41,13 +41,14 @@ the attention function only as its `position_bias`, and live only in LEX's own c
   config's `_attn_implementation`) and in `set_attn_implementation`: the public `get_correct_attn_implementation`
   sees "paged|sdpa" as "sdpa" and never sees a Hub kernel, which 5.23 accepts for a model without flash attention.
   eager, sdpa and any function registered with `AttentionInterface.register` (it receives `position_bias`) pass;
-  transformers itself refuses flash and flex attention (`_supports_flash_attn`, `_supports_flex_attn`).
-- `refuses_foreign_serving` (on LexModel.forward) checks at each forward what bypasses those hooks: a name written
-  to the config after construction, and a cache that is no transformers `Cache` (the `PagedAttentionCache`).
+  transformers itself refuses flash and flex attention (`_supports_flash_attn`, `_supports_flex_attn`). A name
+  written onto the config's private `_attn_implementation` after the model is built passes unchecked, by
+  transformers too; no engine takes that route.
+- A forward handed a cache that is no transformers `Cache` (the `PagedAttentionCache`) raises a ValueError naming its
+  class (`stream.begin_forward`, where a forward's inputs are checked), not an AttributeError inside a layer.
 """
 
 import functools
-import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -142,34 +143,6 @@ def refuse_continuous_batching(entry: str) -> NoReturn:
     )
 
 
-def refuses_foreign_serving(*own_caches: type) -> Callable[[Callable], Callable]:
-    """Check, at each forward, what the set-time hooks cannot see: an attention implementation written to the config
-    after construction, and a cache that is neither a transformers `Cache` (LexCache and LexStaticCache are) nor one
-    of `own_caches` (continuous batching's PagedAttentionCache would fail inside a layer with an AttributeError)."""
-    readable = (Cache, *own_caches)
-    allowed = ", ".join(["None", "LexCache or LexStaticCache (what generate() makes)",
-                         *(kind.__name__ for kind in own_caches),
-                         "or a transformers Cache such as DynamicCache (every key kept)"])
-
-    def decorate(forward: Callable) -> Callable:
-        position = list(inspect.signature(forward).parameters).index("cache")  # (counting self, which args lack)
-
-        @functools.wraps(forward)
-        def checked(self, *args, **kwargs):
-            refuse_attention_without_position_bias(self.config._attn_implementation)
-            cache = args[position - 1] if len(args) >= position else kwargs.get("cache")
-            if cache is not None and not isinstance(cache, readable):
-                raise ValueError(
-                    f"cache is a {type(cache).__name__}, which LEX models cannot read (transformers' continuous "
-                    f"batching is not supported: use `lex serve MODEL`). Allowed: {allowed}"
-                )
-            return forward(self, *args, **kwargs)
-
-        return checked
-
-    return decorate
-
-
 class LexAttentionGuard:
     """Refuses, when it is set, an attention implementation that ignores `position_bias` (see the module
     docstring); mixed in before PreTrainedModel."""
@@ -252,6 +225,5 @@ class LexGenerationMixin:
 __all__ = [
     "ATTENTION_WITH_POSITION_BIAS", "CACHE_NAME", "ENGINE_ATTENTION", "PAGED_ATTENTION_PREFIX",
     "TESTED_TRANSFORMERS", "LexAttentionGuard", "LexGenerationMixin", "accepts_both_cache_names", "init_cache_layers",
-    "refuse_attention_without_position_bias", "refuse_continuous_batching", "refuses_foreign_serving",
-    "warn_if_untested",
+    "refuse_attention_without_position_bias", "refuse_continuous_batching", "warn_if_untested",
 ]

@@ -38,8 +38,7 @@ from configuration_lex.configuration_lex import LexConfig
 
 from .cache import LEX_CACHES, LexCache, LexCacheSteps, LexRows, LexStaticCache
 from .stream import ForwardRecord, begin_forward
-from .generation import (CACHE_NAME, LexAttentionGuard, LexGenerationMixin, accepts_both_cache_names,
-                         refuses_foreign_serving)
+from .generation import CACHE_NAME, LexAttentionGuard, LexGenerationMixin, accepts_both_cache_names
 from .kernels import arrange, attention_map, eager_attention_forward, encode_tokens
 from .reading import AttentionPlan, ReadingPolicy, build_plan
 from .positions import position_method
@@ -388,7 +387,6 @@ class LexModel(LexPreTrainedModel):
         return self.dropout(hidden) if self.training else hidden
 
     @accepts_both_cache_names
-    @refuses_foreign_serving(LexRows)
     @merge_with_config_defaults
     @capture_outputs
     def forward(

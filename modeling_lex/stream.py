@@ -445,7 +445,15 @@ def begin_forward(
     transformers cache that holds every past key contiguously), or a caller's 4D mask.
 
     `attention_mask` is 2D, over the new tokens or over past and new ones (padding: 0), or 4D (B, 1, T, T).
+    A cache that is no transformers `Cache` (transformers' continuous batching hands a `PagedAttentionCache`) is
+    refused by name here, before any layer would fail on it.
     """
+    if cache is not None and not isinstance(cache, Cache):
+        raise ValueError(
+            f"cache is a {type(cache).__name__}, which LEX models cannot read (transformers' continuous batching is "
+            "not supported: use `lex serve MODEL`). Allowed: None, LexCache or LexStaticCache (what generate() "
+            "makes), LexRows, or a transformers Cache such as DynamicCache (every key kept)"
+        )
     if attention_mask is not None and attention_mask.dim() == 4:
         return _custom_mask_record(policy, batch, length, device, attention_mask, position_ids, cache)
     lex_cache = _is_lex_cache(cache)

@@ -101,15 +101,6 @@ def test_the_engines_route_is_refused_at_construction(model, name, engine_attent
         LexForCausalLM.from_pretrained(tmp_path, attn_implementation=name)
 
 
-def test_a_name_written_to_the_config_after_construction_is_refused_at_the_forward(engine_attention):
-    """Past the set-time hooks (the config's attribute written directly), the first forward refuses it."""
-    engine_attention("vllm")
-    model = perturbed_model(tiny_config(attention_mode="sliding", attention_sinks=2))
-    model.config._attn_implementation = "vllm"
-    with pytest.raises(ValueError, match=r"^attn_implementation='vllm' is refused"):
-        model(prompt(1, 4))
-
-
 @pytest.mark.parametrize("name", ["flash_attention_2", "flex_attention"])
 def test_transformers_refuses_flash_and_flex_attention(model, name):
     """LEX declares neither (`_supports_flash_attn`, `_supports_flex_attn`): transformers' own refusal."""
