@@ -27,7 +27,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -183,8 +182,9 @@ def _cache_parts(cache: LexCache) -> tuple[dict[str, torch.Tensor], dict, dict[i
 
 def _build_cache(config, tensors: dict[str, torch.Tensor], meta: dict, stores: dict[int, tuple],
                  memory_directory: str | None) -> LexCache:
-    """A LexCache holding `tensors`, `meta` and `stores` (as `_cache_parts` gives them), which it owns: the caller
-    passes tensors nothing else writes."""
+    """A LexCache holding `tensors`, `meta` and `stores` (as `_cache_parts` gives them): each layer's window part in
+    a buffer of its own (the next forward writes around it), every other tensor as given (no forward writes them in
+    place, but the stores: the caller passes stores nothing else writes)."""
     cache = LexCache(config, memory_directory)
     stream = Stream(cache.policy)
     for name in STREAM_TENSORS:
@@ -206,7 +206,7 @@ def _build_cache(config, tensors: dict[str, torch.Tensor], meta: dict, stores: d
                 window = tensors[f"layers.{index}.{kind}"]
                 sinks = tensors.get(f"layers.{index}.sink_{kind}")
                 count = 0 if sinks is None else sinks.shape[2]
-                buffer = window if sinks is None else torch.cat([sinks, window], dim=2)
+                buffer = window.clone() if sinks is None else torch.cat([sinks, window], dim=2)
                 layer._window[which] = (buffer, count, buffer.shape[2])
                 layer._sinks[which] = sinks
             layer.lazy_initialization(layer._window[0][0], layer._window[1][0])
@@ -341,23 +341,25 @@ class DocumentState:
                                  f"{[self.source[kind] for kind in differ]} vs {[source[kind] for kind in differ]})")
 
     def copy(self) -> "DocumentState":
-        """A state that continues as this one and shares nothing either writes. It costs the window and sink slots
-        (O(w + S) per layer), the memory's representatives and last choice, and its store: for a state loaded from a
-        folder, nothing (the files mapped again, copy-on-write: pages are shared until a copy appends past the
-        document), else the store's bytes (`cache.memory_bytes`, in RAM or in the cache's memory directory)."""
+        """A state that continues as this one, independently: it shares only what no forward writes in place (the
+        stream's bookkeeping, the sink slots, the memory's representatives of the blocks held and its last choice:
+        a forward replaces them, and a representatives buffer of exactly the blocks held grows into a new one). It
+        copies each layer's window part (O(w) per layer), which the next forward writes around, and the store, which
+        grows in place: for a state loaded from a folder, nothing (its files mapped again, copy-on-write: pages are
+        shared until a copy appends), else the store's bytes (`cache.memory_bytes`, in RAM or in the cache's memory
+        directory)."""
         tensors, meta, stores = _cache_parts(self.cache)
         mapped, owned = {}, {}
         for index, (keys, values, length) in stores.items():
             source = self._mapped.get(index)
             if source is not None and source.unchanged(self.cache.layers[index].memory):
                 mapped[index] = map_store(source.path)
-                owned[index] = (mapped[index].keys, mapped[index].values)
+                owned[index] = (mapped[index].keys, mapped[index].values, None)
             else:
-                owned[index] = tuple(_copied_store(held, length, self.cache.memory_directory) for held in (keys, values))
-        cache = _build_cache(self.cache.config, {name: t.clone() for name, t in tensors.items()}, meta,
-                             {index: (*pair, None) for index, pair in owned.items()}, self.cache.memory_directory)
-        logits = None if self.logits is None else self.logits.clone()
-        return DocumentState(cache, self.tokens.clone(), logits, self.source, mapped)
+                owned[index] = (*(_copied_store(held, length, self.cache.memory_directory) for held in (keys, values)),
+                                None)
+        cache = _build_cache(self.cache.config, tensors, meta, owned, self.cache.memory_directory)
+        return DocumentState(cache, self.tokens, self.logits, self.source, mapped)
 
     @property
     def nbytes(self) -> int:

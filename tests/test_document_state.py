@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from copy import deepcopy
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,24 @@ def test_two_copies_of_one_state_answer_two_questions_each_as_reading_from_scrat
             torch.testing.assert_close(logits, expected_logits, atol=1e-5, rtol=1e-5)
             ids[name] = torch.cat([ids[name], tokens[None]], dim=1)
     assert_same_state(kept, held(state))
+
+
+@pytest.mark.parametrize("mode, memory, sinks", [(*case, 2) for case in CASES] + [("sliding", False, 0)],
+                         ids=[*IDS, "sliding-window-no-sinks"])
+def test_a_copy_answers_as_reading_from_scratch_after_its_source_continued_in_place(mode, memory, sinks):
+    """What a copy shares with its source (the stream's bookkeeping, the sink slots, the representatives, the last
+    choice) is never written in place: the source answers a question in its own cache first, then the copy answers
+    another as reading from scratch does."""
+    model = model_for(mode, memory, attention_sinks=sinks)
+    document, first, second = prompt(1, DOCUMENT), prompt(1, W + 3, seed=11), prompt(1, 6, seed=12)
+    state = DocumentState.read(model, document)
+    copy = state.copy()
+    answer(model, torch.cat([document, first], dim=1), state.cache)
+    ids = torch.cat([document, second], dim=1)
+    tokens, logits = answer(model, ids, copy.cache)
+    expected, expected_logits = answer(model, ids, from_scratch(model, document))
+    assert torch.equal(tokens, expected)
+    torch.testing.assert_close(logits, expected_logits, atol=1e-5, rtol=1e-5)
 
 
 def test_reading_more_from_a_state_is_reading_it_all_from_scratch():
@@ -382,11 +401,12 @@ def test_smollm2_state_saved_and_loaded_in_a_fresh_process_continues_exactly(tmp
     torch.set_num_threads(2)
     state = DocumentState.read(model, document)
     copies = [state.copy(), state.copy()]
+    scratch = from_scratch(model, document)  # (read once; each question continues a deep copy of it)
     answers = []
     for question, copy in zip(questions, copies):
         ids = torch.cat([document, question], dim=1)
         tokens, logits = answer(model, ids, copy.cache)
-        expected = answer(model, ids, from_scratch(model, document))
+        expected = answer(model, ids, deepcopy(scratch))
         assert torch.equal(tokens, expected[0])
         torch.testing.assert_close(logits, expected[1], atol=1e-5, rtol=1e-5)
         answers.append((tokens, logits))
