@@ -99,7 +99,8 @@ def test_two_copies_of_one_state_answer_two_questions_each_as_reading_from_scrat
     each answer equals the one a fresh LexCache gives that reads the document, then the questions; the state is
     unchanged."""
     model = model_for(mode, memory)
-    document, questions = prompt(1, DOCUMENT), [prompt(1, 5 + i, seed=10 + i) for i in range(4)]
+    # (questions of one token: the first decoding step reads the memory's blocks the state's last forward chose)
+    document, questions = prompt(1, DOCUMENT), [prompt(1, n, seed=10 + n) for n in (1, 6, 1, 7)]
     state = DocumentState.read(model, document)
     kept = held(state)
     copies = {"A": state.copy(), "B": state.copy()}
@@ -121,13 +122,15 @@ def test_two_copies_of_one_state_answer_two_questions_each_as_reading_from_scrat
                          ids=[*IDS, "sliding-window-no-sinks"])
 def test_a_copy_answers_as_reading_from_scratch_after_its_source_continued_in_place(mode, memory, sinks):
     """What a copy shares with its source (the stream's bookkeeping, the sink slots, the representatives, the last
-    choice) is never written in place: the source answers a question in its own cache first, then the copy answers
-    another as reading from scratch does."""
+    choice) is never written in place: the source answers a question in its own cache first, 300 tokens (its window
+    buffers fill and move), then the copy answers another as reading from scratch does."""
     model = model_for(mode, memory, attention_sinks=sinks)
     document, first, second = prompt(1, DOCUMENT), prompt(1, W + 3, seed=11), prompt(1, 6, seed=12)
     state = DocumentState.read(model, document)
     copy = state.copy()
-    answer(model, torch.cat([document, first], dim=1), state.cache)
+    ids = torch.cat([document, first], dim=1)
+    model.generate(ids, **{CACHE_NAME: state.cache}, attention_mask=torch.ones_like(ids), max_new_tokens=300,
+                   min_new_tokens=300, do_sample=False, pad_token_id=PAD)
     ids = torch.cat([document, second], dim=1)
     tokens, logits = answer(model, ids, copy.cache)
     expected, expected_logits = answer(model, ids, from_scratch(model, document))
@@ -442,10 +445,13 @@ safetensors.torch.save_file({{"logits": state.logits, "tokens": out.sequences[0,
 def cli_model(tmp_path_factory) -> tuple[Path, LexForCausalLM, object, Path]:
     """A tiny LEX folder (sliding, 2 sinks, a memory of 2 blocks of 4) with a word tokenizer, and a document of
     3 windows and more in a text file."""
+    from tokenizers.processors import TemplateProcessing
+
     from tests.helpers import word_tokenizer
 
     base = tmp_path_factory.mktemp("cli")
-    tokenizer, words = word_tokenizer()
+    tokenizer, words = word_tokenizer()  # w0 made its BOS: a question must be read without it
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(single="w0 $A", special_tokens=[("w0", 1)])
     model = model_for("sliding", True)
     model.save_pretrained(base / "model")
     tokenizer.save_pretrained(base / "model")
