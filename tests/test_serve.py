@@ -294,3 +294,43 @@ def test_a_forward_that_raises_fails_its_request_alone(monkeypatch):
     for index, tokens in enumerate(expected):
         text = "".join(event.text for event in done[f"r{index}"])
         assert text == tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def test_kept_states_answer_as_a_fresh_server_and_survive_a_restart(served, tmp_path):
+    """A server keeping states (--state_cache_bytes, --state_dir): a second question about the same document (a
+    system message; a completion prompt's shared beginning) starts from the kept state (usage's cached_tokens) and
+    answers as a server without states does; so does a third after a restart on the same --state_dir."""
+    fresh = served("memory")
+    document = words_prompt(70, 7)
+    flags = ("--state_cache_bytes", str(1 << 30), "--state_dir", str(tmp_path / "states"))
+
+    def chat(server: Server, question: str):
+        return server.client.chat.completions.create(
+            model=str(server.folder), temperature=0, max_tokens=16,
+            messages=[{"role": "system", "content": document}, {"role": "user", "content": question}])
+
+    def complete(server: Server, question: str):
+        return server.client.completions.create(model=str(server.folder), prompt=f"{document} {question}",
+                                                max_tokens=16, temperature=0)
+
+    kept = Server(fresh.folder, *flags)
+    try:
+        first = chat(kept, "w5 w6 w7")
+        second = chat(kept, "w8 w9")
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        assert second.usage.prompt_tokens_details.cached_tokens > 70  # the system message's turn, read once
+        assert second.choices[0].message.content == chat(fresh, "w8 w9").choices[0].message.content
+        complete(kept, "w10 w11 w12")
+        again = complete(kept, "w13 w14")
+        assert again.usage.prompt_tokens_details.cached_tokens >= 40  # a window boundary inside the prompt
+        assert again.choices[0].text == complete(fresh, "w13 w14").choices[0].text
+    finally:
+        kept.stop()
+    assert any((tmp_path / "states").iterdir())  # (spilled at shutdown)
+    restarted = Server(fresh.folder, *flags)
+    try:
+        third = chat(restarted, "w20 w21 w22 w23")
+        assert third.usage.prompt_tokens_details.cached_tokens > 70
+        assert third.choices[0].message.content == chat(fresh, "w20 w21 w22 w23").choices[0].message.content
+    finally:
+        restarted.stop()

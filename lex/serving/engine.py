@@ -91,6 +91,7 @@ class Engine:
         self.decoding: list[Request] = []
         self.running = True
         self.largest_batch = 0  # the most requests one decoding step has served (GET /health)
+        self.decoded_tokens, self.decoding_seconds = 0, 0.0  # by decoding steps, and the time they took
         self.thread = threading.Thread(target=self._loop, name="lex-serve-engine", daemon=True)
 
     def start(self) -> None:
@@ -192,12 +193,15 @@ class Engine:
     def _decode_step(self, batch: list[Request]) -> None:
         self.largest_batch = max(self.largest_batch, len(batch))
         ids = torch.tensor([[request.generated[-1]] for request in batch], device=self.model.device)
+        began = time.perf_counter()
         try:
             logits = self.model(input_ids=ids, cache=LexRows([request.cache for request in batch])).logits[:, -1]
         except Exception:  # noqa: BLE001  (every cache is as it was: step the rows alone to find the one that fails)
             for request in batch:
                 self._decode_step_alone(request)
             return
+        self.decoded_tokens += len(batch)
+        self.decoding_seconds += time.perf_counter() - began
         for request, row in zip(batch, logits):
             if not self._append(request, row):
                 self.decoding.remove(request)

@@ -2,8 +2,8 @@
 
 The rule: a request reads its prompt in segments (a conversation message by message, a completion prompt whole:
 `reading_plan`), each segment in the forwards the model's own long forward runs for it. A state is kept at the end
-of each segment and at the last point inside a segment where a shorter read would run the same forwards (a
-window boundary before the end). A later request starts from the kept state of the longest prefix of its tokens
+of each segment and at the last two points inside a segment where a shorter read would run the same forwards
+(window boundaries before the end). A later request starts from the kept state of the longest prefix of its tokens
 that ends where its own reading would pass (`reuse_points`), so it runs exactly the forwards a server without the
 state would run, and its answer is the same.
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from lex.document_state import DocumentState
+from lex.document_state import DocumentState, identity
 from lex_base.errors import LexError
 
 
@@ -53,14 +53,18 @@ def reuse_points(model, segments: list[int], last_inside: bool = False) -> list[
     """The points (token counts) where a read that stopped and went on runs the same forwards as this prompt's
     reading: each segment's end, and inside a segment each span end after which the rest of the segment is read
     in the spans it would be read in anyway (`model.reading_spans` asked for both lengths). `last_inside`: of
-    those inside a segment, only the last (where the server keeps a state)."""
+    those inside a segment at least a window before its end, only the last two: where the server keeps states,
+    which a prompt that shares all but the segment's last words can start from (with a block memory the end of a
+    segment is read in pieces placed by its length, so the last point a prompt may start from moves with it)."""
     points, start = [], 0
     for end in segments:
         spans = model.reading_spans(end - start)
         inside = [start + stop for _, stop in spans[:-1]
                   if [(a + stop, b + stop) for a, b in model.reading_spans(end - start - stop)]
                   == [(a, b) for a, b in spans if a >= stop]]
-        points += inside[-1:] if last_inside else inside
+        if last_inside:
+            inside = [point for point in inside if point <= end - model.config.attention_window][-2:]
+        points += inside
         points.append(end)
         start = end
     return points
@@ -71,6 +75,7 @@ class StateStore:
 
     def __init__(self, model, capacity: int, directory: Path | None = None) -> None:
         self.model, self.capacity, self.directory = model, capacity, directory
+        self.source = identity(model) if capacity else None  # what a kept state records of its model
         self.held: OrderedDict[str, DocumentState] = OrderedDict()
         self.bytes = 0
         if directory is not None:
@@ -103,7 +108,7 @@ class StateStore:
         if key in self.held:
             self.held.move_to_end(key)
             return
-        state = DocumentState(cache, torch.tensor(tokens, dtype=torch.long), logits).copy()
+        state = DocumentState(cache, torch.tensor(tokens, dtype=torch.long), logits, self.source).copy()
         self.held[key] = state
         self.bytes += state.nbytes
         while self.bytes > self.capacity and self.held:
@@ -122,7 +127,7 @@ class StateStore:
         if self.directory is None or (self.directory / key).exists():
             return
         try:
-            state.save(self.directory / key, self.model)
+            state.save(self.directory / key)
         except OSError as error:  # a full disk: the state is dropped, the server goes on
             print(f"lex serve: could not save a kept state in {self.directory}: {error}", file=sys.stderr)
 
