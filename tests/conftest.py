@@ -60,7 +60,7 @@ def pytest_configure(config) -> None:
 LONGEST_FIRST = (
     "tests/test_real_checkpoint.py::TestFourL", "tests/test_newcomer.py", "tests/test_train.py", "tests/test_gguf.py",
     "tests/test_real_checkpoint.py", "tests/test_quantization.py", "tests/test_study.py", "tests/test_model_card.py",
-    "tests/test_staging.py", "tests/test_notebook.py",
+    "tests/test_staging.py", "tests/test_notebook.py", "tests/test_serve.py", "tests/test_document_state.py",
 )
 
 

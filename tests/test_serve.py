@@ -320,6 +320,9 @@ def test_kept_states_answer_as_a_fresh_server_and_survive_a_restart(served, tmp_
         assert first.usage.prompt_tokens_details.cached_tokens == 0
         assert second.usage.prompt_tokens_details.cached_tokens > 70  # the system message's turn, read once
         assert second.choices[0].message.content == chat(fresh, "w8 w9").choices[0].message.content
+        repeat = chat(kept, "w5 w6 w7")  # the whole prompt kept: its last logits too
+        assert repeat.usage.prompt_tokens_details.cached_tokens == repeat.usage.prompt_tokens
+        assert repeat.choices[0].message.content == first.choices[0].message.content
         complete(kept, "w10 w11 w12")
         again = complete(kept, "w13 w14")
         assert again.usage.prompt_tokens_details.cached_tokens >= 40  # a window boundary inside the prompt

@@ -18,6 +18,7 @@ The rule it follows (continuous batching over LEX's bounded caches):
 
 import dataclasses
 import queue
+import secrets
 import sys
 import threading
 import time
@@ -69,7 +70,7 @@ class Request:
         self.sent = 0  # characters of the decoded text already emitted
         self.cached_tokens = 0
         self.generator = torch.Generator().manual_seed(sampling.seed if sampling.seed is not None
-                                                       else torch.seed() % 2**63)
+                                                       else secrets.randbits(63))
         self.warpers = LogitsProcessorList(
             ([TemperatureLogitsWarper(sampling.temperature)] if sampling.temperature > 0 else [])
             + ([TopPLogitsWarper(sampling.top_p)] if sampling.temperature > 0 and sampling.top_p < 1 else []))
@@ -136,21 +137,21 @@ class Engine:
         try:
             state = self.states.find(request.prompt, request.segments)
             if state is None:
-                cache, done = LexCache(self.model.config), 0
+                cache, done, logits = LexCache(self.model.config), 0, None
             else:
-                cache, done = state.cache, len(state.tokens)
+                cache, done, logits = state.cache, len(state.tokens), state.logits
             request.cache, request.cached_tokens = cache, done
-            request.reader = self._reader(request, done)
+            request.reader = self._reader(request, done, logits)
             request.started = time.perf_counter()
             self.reading.append(request)
         except Exception as error:  # noqa: BLE001  (a request that cannot start fails alone)
             request.emit(Event(error=f"{type(error).__name__}: {error}"))
 
-    def _reader(self, request: Request, done: int):
-        """The forwards that read the rest of the prompt, segment by segment, keeping a state where `StateStore`
-        keeps them; yields None after each forward but the last, then the last token's logits."""
+    def _reader(self, request: Request, done: int, logits: torch.Tensor | None):
+        """The forwards that read the rest of the prompt after its first `done` tokens (whose last `logits` a kept
+        state holds), segment by segment, keeping a state where `StateStore` keeps them; yields None after each
+        forward but the last, then the last token's logits."""
         keep = set(reuse_points(self.model, request.segments, last_inside=True)) if self.states.enabled else set()
-        logits = None
         for stop in request.segments:
             if stop <= done:
                 continue
