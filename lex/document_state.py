@@ -133,10 +133,11 @@ def identity(model) -> dict:
     """What a state records of the model that read it, and a loading model must match: its fingerprints and dtype
     (and its name, for the message)."""
     return {"config": config_fingerprint(model.config), "weights": weights_fingerprint(model),
-            "dtype": str(model.dtype).removeprefix("torch."), "name_or_path": getattr(model.config, "_name_or_path", "")}
+            "dtype": str(model.dtype).removeprefix("torch."),
+            "name_or_path": getattr(model.config, "_name_or_path", "")}
 
 
-# --------------------------------------------------------------------------------------------------- the cache as tensors
+# ------------------------------------------------------------------------------------------- the cache as tensors
 
 
 def _cache_parts(cache: LexCache) -> tuple[dict[str, torch.Tensor], dict, dict[int, tuple]]:
@@ -439,7 +440,8 @@ class DocumentState:
             raise StateError(f"state folder {folder}: dtype {description['model']['dtype']} (saved); the model "
                              f"computes in {source['dtype']} (load it with --dtype {description['model']['dtype']})")
         saved, mine = description["reading"], reading_settings(model.config)
-        differ = [f"{name} {saved.get(name)!r} (saved) vs {mine[name]!r}" for name in READING if saved.get(name) != mine[name]]
+        differ = [f"{name} {saved.get(name)!r} (saved) vs {mine[name]!r}"
+                  for name in READING if saved.get(name) != mine[name]]
         if differ:
             raise StateError(f"state folder {folder}: read with other reading settings than the model's: "
                              f"{'; '.join(differ)}")
@@ -488,4 +490,5 @@ def disk_bytes(folder: str | Path) -> int:
     return sum(path.stat().st_blocks * 512 for path in Path(folder).iterdir())
 
 
-__all__ = ["DocumentState", "StateError", "config_fingerprint", "disk_bytes", "identity", "read_steps", "weights_fingerprint"]
+__all__ = ["DocumentState", "StateError", "config_fingerprint", "disk_bytes", "identity", "read_steps",
+           "weights_fingerprint"]

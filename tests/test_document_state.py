@@ -165,8 +165,9 @@ for case in sys.argv[3:]:
     state = DocumentState.load(folder + "/state", model)
     question = safetensors.torch.load_file(folder + "/question.safetensors")["question"]
     ids = torch.cat([state.tokens, question])[None]
-    out = model.generate(ids, **{CACHE_NAME: state.copy().cache}, attention_mask=torch.ones_like(ids), max_new_tokens=32,
-                         do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    out = model.generate(ids, **{CACHE_NAME: state.copy().cache}, attention_mask=torch.ones_like(ids),
+                         max_new_tokens=32, do_sample=False, pad_token_id=0, output_logits=True,
+                         return_dict_in_generate=True)
     results[case + ".logits"] = state.logits
     results[case + ".tokens"] = out.sequences[0, ids.shape[1]:].contiguous()
     results[case + ".answer_logits"] = torch.stack(out.logits)[:, 0].contiguous()
@@ -426,10 +427,12 @@ model = load_model({str(gguf)!r}, "sliding", attention_window=1024, attention_si
 state = DocumentState.load({str(tmp_path / "state")!r}, model)
 question = safetensors.torch.load_file({str(tmp_path / "question.safetensors")!r})["question"]
 ids = torch.cat([state.tokens, question])[None]
-out = model.generate(ids, **{{CACHE_NAME: state.copy().cache}}, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+out = model.generate(ids, **{{CACHE_NAME: state.copy().cache}}, attention_mask=torch.ones_like(ids),
+                     max_new_tokens=32, do_sample=False,
                      output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-safetensors.torch.save_file({{"logits": state.logits, "tokens": out.sequences[0, ids.shape[1]:].contiguous(),
-                              "answer": torch.stack(out.logits)[:, 0].contiguous()}}, {str(tmp_path / "there.safetensors")!r})
+there = {{"logits": state.logits, "tokens": out.sequences[0, ids.shape[1]:].contiguous(),
+         "answer": torch.stack(out.logits)[:, 0].contiguous()}}
+safetensors.torch.save_file(there, {str(tmp_path / "there.safetensors")!r})
 """
     subprocess.run([sys.executable, "-c", script], check=True, timeout=900)
     there = safetensors.torch.load_file(tmp_path / "there.safetensors")
