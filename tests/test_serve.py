@@ -207,30 +207,32 @@ def test_bad_input_is_refused_by_name_and_the_server_goes_on(served, case):
     assert server.client.completions.create(model=str(server.folder), prompt="w1 w2", max_tokens=2).usage
 
 
-def test_a_client_that_disconnects_frees_its_row(served):
-    server = served("sliding")
-    with httpx.stream("POST", f"{server.url}/v1/completions", json={
-            "model": str(server.folder), "prompt": words_prompt(30, 2), "max_tokens": 64, "stream": True}) as reply:
-        lines = reply.iter_lines()
-        assert next(lines).startswith("data: ")
-    deadline = time.monotonic() + 20
-    while server.health()["in_flight"] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert server.health()["in_flight"] == 0
-
-
-def test_sigterm_finishes_the_requests_in_flight(tmp_path):
-    server = Server(model_folder(tmp_path / "model", "sliding"))
+def test_a_disconnect_frees_its_row_and_sigterm_finishes_the_requests_in_flight(tmp_path):
+    """Requests long enough to be in flight when it happens (a tiny model makes 2,000 tokens in seconds): a client
+    that disconnects leaves the engine at once; SIGTERM lets a streaming request finish every token, then the
+    server exits."""
+    server = Server(model_folder(tmp_path / "model", "sliding"), "--max_new_tokens_limit", "100000")
     try:
         with httpx.stream("POST", f"{server.url}/v1/completions", json={
-                "model": str(server.folder), "prompt": words_prompt(12, 3), "max_tokens": 64, "stream": True},
+                "model": str(server.folder), "prompt": words_prompt(30, 2), "max_tokens": 100000, "stream": True},
                 timeout=60) as reply:
+            assert next(reply.iter_lines()).startswith("data: ")
+        deadline = time.monotonic() + 10
+        while server.health()["in_flight"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert server.health()["in_flight"] == 0
+        assert server.health()["decoded_tokens"] < 50000
+        with httpx.stream("POST", f"{server.url}/v1/completions", json={
+                "model": str(server.folder), "prompt": words_prompt(12, 3), "max_tokens": 2000, "stream": True,
+                "stream_options": {"include_usage": True}},
+                timeout=120) as reply:
             lines = reply.iter_lines()
             first = next(lines)
             server.process.send_signal(signal.SIGTERM)
             events = [first] + [line for line in lines if line]
         payloads = [json.loads(e[6:]) for e in events if e.startswith("data: {")]
-        assert payloads[-1]["choices"][0]["finish_reason"] == "length"
+        assert payloads[-2]["choices"][0]["finish_reason"] == "length"
+        assert payloads[-1]["usage"]["completion_tokens"] == 2000
         assert events[-1] == "data: [DONE]"
         assert server.process.wait(30) in (0, 143)
     finally:
@@ -247,8 +249,9 @@ def test_serve_refuses_what_it_cannot_do(tmp_path):
 
 
 def test_a_forward_that_raises_fails_its_request_alone(monkeypatch):
-    """One request's token makes the embedding raise: that request gets an error, the batched step is retried row by
-    row, and the others' answers still equal lone generate() (their caches were left exact)."""
+    """One request's attention raises in a decoding step it shares with others (its cache past 6 tokens): that
+    request gets an error, the batched step is retried row by row, and the others' answers still equal lone
+    generate() (their caches were left exact)."""
     from lex.serving.engine import Engine, Request, Sampling
     from lex.serving.states import StateStore
 
@@ -256,40 +259,38 @@ def test_a_forward_that_raises_fails_its_request_alone(monkeypatch):
     model = perturbed_model(tiny_config(**READINGS["memory"]))
     model.generation_config.eos_token_id = None
     tokenizer, _ = word_tokenizer()
-    poison = 96
-    prompts = [torch.randint(1, 90, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 19, 33)]
-    expected = [model.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, pad_token_id=0)[0, len(p):]
+    prompts = [torch.randint(1, 90, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (19, 25, 33)]
+    expected = [model.generate(torch.tensor([p]), max_new_tokens=40, do_sample=False, pad_token_id=0)[0, len(p):]
                 for p in prompts]
-    embed = model.model.embed_tokens
-    original = embed.forward
+    attention = model.model.layers[1].self_attn
+    original = attention.forward
 
-    def raising(ids):
-        if bool((ids == poison).any()):
+    def raising(hidden_states, plan, cache=None, **kwargs):
+        if hidden_states.shape[1] == 1 and 6 <= cache.seen < 12:  # (only the 4-token request's cache is there)
             raise RuntimeError("injected fault")
-        return original(ids)
+        return original(hidden_states, plan=plan, cache=cache, **kwargs)
 
-    monkeypatch.setattr(embed, "forward", raising)
+    monkeypatch.setattr(attention, "forward", raising)
     engine = Engine(model, tokenizer, 8, StateStore(model, 0), progress=False)
     done: dict[str, list] = {}
-    events = threading.Event()
+    finished = threading.Event()
 
     def emit_to(name):
         def emit(event):
             done.setdefault(name, []).append(event)
-            if event.finish_reason or event.error:
-                events.set() if len(done) == 4 and all(e[-1].finish_reason or e[-1].error
-                                                       for e in done.values()) else None
+            if len(done) == 4 and all(e[-1].finish_reason or e[-1].error for e in done.values()):
+                finished.set()
         return emit
 
     engine.start()
     try:
         for index, ids in enumerate(prompts):
-            engine.submit(Request(f"r{index}", ids, [len(ids)], Sampling(10, 0.0), emit_to(f"r{index}")))
-        time.sleep(0.2)
-        engine.submit(Request("bad", [3, 4, 5, poison], [4], Sampling(10, 0.0), emit_to("bad")))
-        assert events.wait(60)
+            engine.submit(Request(f"r{index}", ids, [len(ids)], Sampling(40, 0.0), emit_to(f"r{index}")))
+        engine.submit(Request("bad", [3, 4, 5, 6], [4], Sampling(10, 0.0), emit_to("bad")))
+        assert finished.wait(60)
     finally:
         engine.stop()
+    assert engine.largest_batch == 4  # (the fault struck a step the four shared: the others decode 40 tokens)
     assert done["bad"][-1].error and "injected fault" in done["bad"][-1].error
     for index, tokens in enumerate(expected):
         text = "".join(event.text for event in done[f"r{index}"])
