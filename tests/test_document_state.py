@@ -138,6 +138,23 @@ def test_a_copy_answers_as_reading_from_scratch_after_its_source_continued_in_pl
     torch.testing.assert_close(logits, expected_logits, atol=1e-5, rtol=1e-5)
 
 
+def test_a_state_with_its_store_in_a_memory_directory_copies_saves_and_loads(tmp_path):
+    """The store memory-mapped in a folder (`memory_directory`): a copy's store goes there too, and the copy, the
+    state saved and loaded, answer as reading from scratch."""
+    model = model_for("blockwise", True)
+    document, question = prompt(1, DOCUMENT), prompt(1, 6, seed=13)
+    (tmp_path / "store").mkdir()
+    state = DocumentState.read(model, document, memory_directory=str(tmp_path / "store"), progress=True)
+    state.save(tmp_path / "state")
+    ids = torch.cat([document, question], dim=1)
+    expected = answer(model, ids, from_scratch(model, document))
+    for continued in (state.copy(), DocumentState.load(tmp_path / "state", model)):
+        tokens, logits = answer(model, ids, continued.cache)
+        assert torch.equal(tokens, expected[0])
+        torch.testing.assert_close(logits, expected[1], atol=1e-5, rtol=1e-5)
+    assert list((tmp_path / "store").iterdir()) == []  # (memory.py unlinks its files at once)
+
+
 def test_reading_more_from_a_state_is_reading_it_all_from_scratch():
     model = model_for("sliding", True)
     document, more = prompt(1, DOCUMENT), prompt(1, W + 3, seed=3)
