@@ -176,10 +176,12 @@ class LexAttention(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        plan: AttentionPlan,
-        cache: Cache | None = None,
+        plan: AttentionPlan | list[AttentionPlan],
+        cache: Cache | LexRows | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`plan`: the forward's, or with `LexRows` (requests decoded together) one per row: the projections run on
+        the whole batch, and each row attends through its own cache with its own plan."""
         batch, length, _ = hidden_states.shape
         query = self.q_proj(hidden_states).view(batch, length, -1, self.head_dim)
         key = self.k_proj(hidden_states).view(batch, length, -1, self.head_dim)
@@ -187,30 +189,38 @@ class LexAttention(nn.Module):
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = query.transpose(1, 2), key.transpose(1, 2)
         value = self.v_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
-        raw_query = query  # (the block memory chooses by the queries before positions)
-        query, key = encode_tokens(query, key, plan.token_factors)
-        recalled = None
-        if isinstance(cache, LexCacheSteps):
-            key, value = cache.update(key, value, self.layer_idx, plan.cache_request)
-            memory = cache.layers[self.layer_idx].memory
-            if memory is not None:  # the blocks past the window this layer's queries choose
-                recalled = memory.recall(raw_query, plan.cache_request.memory_frame, self.tensor_parallel_group())
-        elif cache is not None:  # a transformers cache: every key of the stream
-            key, value = cache.update(key, value, self.layer_idx)
-        q, k, v, bias = arrange(self, plan, query, key, value, recalled)
-        # Maps come from the eager computation, whatever the backend; so do capped scores (SDPA cannot cap them).
-        implementation = "eager" if plan.attention_maps or self.softcap is not None else self.config._attn_implementation
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-        output, weights = attention_interface(
-            self, q, k, v, None, dropout=self.config.attention_dropout if self.training else 0.0,
-            scaling=self.scaling, position_bias=bias, is_causal=bias is None, softcap=self.softcap, **kwargs,
-        )
-        output = output[..., : self.head_dim]  # (a second copy of each query widens the values: kernels.arrange)
-        if plan.tile.query_slots is not None:  # the chunks, back in the order of the queries
-            output = output.unflatten(0, (batch, -1)).flatten(1, 2)[:, :length]
-        if plan.attention_maps:
-            output, weights = attention_map(plan, output, weights, value, recalled)
-        output = output.reshape(batch, length, -1)
+        rows = list(zip(plan, cache.rows)) if isinstance(cache, LexRows) else [(plan, cache)]
+        width = batch // len(rows)
+        outputs = []
+        for first, (plan, cache) in zip(range(0, batch, width), rows):
+            query_, key_, value_ = (x[first : first + width] for x in (query, key, value))
+            raw_query = query_  # (the block memory chooses by the queries before positions)
+            query_, key_ = encode_tokens(query_, key_, plan.token_factors)
+            recalled = None
+            if isinstance(cache, LexCacheSteps):
+                key_, value_ = cache.update(key_, value_, self.layer_idx, plan.cache_request)
+                memory = cache.layers[self.layer_idx].memory
+                if memory is not None:  # the blocks past the window this layer's queries choose
+                    recalled = memory.recall(raw_query, plan.cache_request.memory_frame, self.tensor_parallel_group())
+            elif cache is not None:  # a transformers cache: every key of the stream
+                key_, value_ = cache.update(key_, value_, self.layer_idx)
+            q, k, v, bias = arrange(self, plan, query_, key_, value_, recalled)
+            # Maps come from the eager computation, whatever the backend; so do capped scores (SDPA cannot cap them).
+            implementation = ("eager" if plan.attention_maps or self.softcap is not None
+                              else self.config._attn_implementation)
+            attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation,
+                                                                                  eager_attention_forward)
+            output, weights = attention_interface(
+                self, q, k, v, None, dropout=self.config.attention_dropout if self.training else 0.0,
+                scaling=self.scaling, position_bias=bias, is_causal=bias is None, softcap=self.softcap, **kwargs,
+            )
+            output = output[..., : self.head_dim]  # (a second copy of each query widens the values: kernels.arrange)
+            if plan.tile.query_slots is not None:  # the chunks, back in the order of the queries
+                output = output.unflatten(0, (width, -1)).flatten(1, 2)[:, :length]
+            if plan.attention_maps:
+                output, weights = attention_map(plan, output, weights, value_, recalled)
+            outputs.append(output.reshape(width, length, -1))
+        output = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
         if self.inner_attn_ln is not None:
             output = self.inner_attn_ln(output)
         return self.o_proj(output), weights
@@ -305,12 +315,8 @@ class LexDecoderLayer(GradientCheckpointingLayer):
     ) -> torch.Tensor:
         """`plan`: the forward's, or with `LexRows` one per row."""
         norm = self.self_attn_layer_norm
-        attend = norm(hidden_states) if self.normalize_before else hidden_states
-        if isinstance(cache, LexRows):  # requests decoded together: each row attends through its own cache and plan
-            attended = torch.cat([self.self_attn(attend[row : row + 1], plan=row_plan, cache=row_cache, **kwargs)[0]
-                                  for row, (row_plan, row_cache) in enumerate(zip(plan, cache.rows))])
-        else:
-            attended, _ = self.self_attn(attend, plan=plan, cache=cache, **kwargs)
+        attended, _ = self.self_attn(norm(hidden_states) if self.normalize_before else hidden_states, plan=plan,
+                                     cache=cache, **kwargs)
         hidden_states = self._residual(hidden_states, attended, norm, self.post_self_attn_layer_norm)
         norm = self.final_layer_norm
         return self._residual(hidden_states, self.mlp(norm(hidden_states) if self.normalize_before else hidden_states),
