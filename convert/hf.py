@@ -38,6 +38,11 @@ interleaved pairs (dims 2i and 2i+1), so the rows of q_proj and k_proj (and thei
 (per key/value head for k_proj) on the way in and back on the way out. The dot product of a query and a key is the
 same, since both are permuted alike.
 
+Families: what each family has (norms and their offset, biases, local layers, caps, embedding scale, q/k norms,
+fused projections, layers without rotary, its GGUF architecture, its config class) is one row of FAMILIES (a
+`Family`). The rule: no function asks which family it converts, only what that family's row says; a family is added
+by adding its row (and, if `lex convert-to-hf` names it back, its model_type to LexConfig's HfModelType).
+
 Folders are converted tensor by tensor from safetensors (never a pickle), one output shard at a time, so at most
 one shard of weights is in memory; the output folder appears only when complete (lex_base.staging). What no
 target computes is refused, naming the field and why, before anything is written.
@@ -48,8 +53,10 @@ import logging
 import shutil
 from collections.abc import Callable
 from contextlib import ExitStack
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal, get_args
 
 import torch
 from accelerate import init_empty_weights
@@ -84,12 +91,6 @@ from .checkpoint import ConversionError, check_tensors, refuse_field
 
 logger = logging.getLogger(__name__)
 
-SOURCE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "gemma2", "gemma3_text")
-# The Gemma families: local and global layers, Gemma's norms, embeddings and soft-capping.
-GEMMA_TYPES = ("gemma2", "gemma3_text")
-# The architectures of SOURCE_TYPES that transformers' GGUF loader reads (integrations/ggml.py; its "gemma3" is
-# Gemma3ForCausalLM's gemma3_text).
-GGUF_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 # Phi-3's fused projections: the fused name, then its parts in row order (a part's rows: `fused_parts`).
 FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
@@ -125,6 +126,94 @@ ROTARY_BUFFER = ".rotary_emb.inv_freq"  # in some older Llama saves; recomputed 
 DEFAULT_MAX_SHARD_SIZE = "2GB"
 
 
+# ---------------------------------------------------------------- the families
+
+
+def every_layer_window(config: LexConfig, window: int | None) -> dict:
+    """Mistral's and Phi-3's window field: `sliding_window` applies to every layer (None: full attention)."""
+    return dict(sliding_window=window)
+
+
+# How a family's sliding_window applies, and which attention biases it has (`Family.sliding`, `Family.biases`).
+Sliding = Literal["layer_types", "every_layer", "local_layers"]
+Biases = Literal["qkvo", "qkv", "none"]
+
+
+@dataclass(frozen=True)
+class Family:
+    """What one transformers family has, as far as a LexConfig is concerned: one row of FAMILIES. Every function
+    below that differs by family reads these fields, so that a family is added by adding its row. A flag left False
+    is a feature the family lacks: its LexConfig field keeps the default on the way in, and a LexConfig that sets it
+    does not go back to that family."""
+
+    title: str  # its name in messages
+    config_class: type[PreTrainedConfig]  # the config `lex convert-to-hf` writes
+    # The fields of `config_class` that give every layer the window w (None: full attention); None: it has none.
+    windows: Callable[[LexConfig, int | None], dict] | None
+    gguf: str | None = None  # its general.architecture in the .gguf files transformers' loader reads; None: none
+    # How its sliding_window applies: per its layer_types (all layers or none), to every layer (Mistral, Phi-3), or
+    # to its sliding_attention layers, which become LEX local layers (Gemma).
+    sliding: Sliding = "layer_types"
+    # Its attention biases: `attention_bias` on q/k/v/o together, always on q/k/v only (Qwen2), or none.
+    biases: Biases = "qkvo"
+    mlp_bias: bool = False  # an `mlp_bias` field
+    head_dim: bool = True  # a `head_dim` field (without one it is hidden_size / num_attention_heads)
+    qk_norm: bool = False  # per-head q/k norms
+    no_rope_layers: bool = False  # SmolLM3's per-layer rotary flags (LexConfig.rope_layers)
+    implied_by: str | None = None  # the LexConfig field that names it back where hf_model_type is None
+    fused: bool = False  # Phi-3's fused projections (FUSED), split on the way in and fused on the way out
+    dropouts: tuple[str, ...] = ()  # its own dropouts, which no LexConfig field keeps: refused unless 0
+    activation_field: str = "hidden_act"  # the field naming its MLP's activation (Gemma: hidden_activation)
+    norm_type: str = "rmsnorm"  # "gemma_rmsnorm": its norms scale by 1 + w
+    embedding_scale: bool = False  # embeddings scaled by sqrt(hidden_size) in their dtype, in the lookup
+    sublayer_output_norms: bool = False  # norms on the attention's and the MLP's outputs
+    query_pre_attn_scalar: bool = False  # scores scaled by query_pre_attn_scalar^-0.5
+    attn_logit_softcapping: bool = False  # its model caps attention scores (Gemma 3 has the field, never applies it)
+    final_logit_softcapping: bool = False  # its model caps the logits
+    rope_per_layer_type: bool = False  # rope_parameters per layer type: local layers rotate with their own
+
+    def __post_init__(self) -> None:
+        """A new row's words are checked where it is written, not where a conversion first reads them."""
+        for field, kind in (("sliding", Sliding), ("biases", Biases)):
+            if getattr(self, field) not in get_args(kind):
+                raise ValueError(f"Family.{field}={getattr(self, field)!r}: allowed: {', '.join(get_args(kind))}")
+
+
+# What Gemma 2 and Gemma 3 share: Gemma's norms, embeddings, post-sublayer norms, scores and logits, local layers.
+GEMMA = dict(activation_field="hidden_activation", norm_type="gemma_rmsnorm", embedding_scale=True,
+             sublayer_output_norms=True, query_pre_attn_scalar=True, final_logit_softcapping=True,
+             sliding="local_layers", windows=None)
+# One row per convertible model_type, in the order refusals list them.
+FAMILIES: dict[str, Family] = {
+    "llama": Family("Llama", LlamaConfig, None, gguf="llama", mlp_bias=True),
+    "mistral": Family("Mistral", MistralConfig, every_layer_window, gguf="mistral", sliding="every_layer",
+                      biases="none"),
+    "qwen2": Family("Qwen2", Qwen2Config, lambda config, window: dict(
+        use_sliding_window=window is not None, sliding_window=window, max_window_layers=0), gguf="qwen2",
+        biases="qkv"),
+    "qwen3": Family("Qwen3", Qwen3Config, lambda config, window: {} if window is None else dict(
+        use_sliding_window=True, sliding_window=window, max_window_layers=0), gguf="qwen3", qk_norm=True,
+        implied_by="qk_norm"),
+    "phi3": Family("Phi-3", Phi3Config, every_layer_window, gguf="phi3", sliding="every_layer", biases="none",
+                   head_dim=False, fused=True, dropouts=("resid_pdrop", "embd_pdrop")),
+    "smollm3": Family("SmolLM3", SmolLM3Config, lambda config, window: {} if window is None else dict(
+        use_sliding_window=True, sliding_window=window, layer_types=["sliding_attention"] * config.num_hidden_layers),
+        mlp_bias=True, head_dim=False, no_rope_layers=True, implied_by="rope_layers"),
+    "gemma2": Family("Gemma 2", Gemma2Config, gguf="gemma2", attn_logit_softcapping=True, **GEMMA),
+    # llama.cpp's "gemma3" is Gemma3ForCausalLM's gemma3_text (transformers' integrations/ggml.py)
+    "gemma3_text": Family("Gemma 3", Gemma3TextConfig, gguf="gemma3", qk_norm=True, rope_per_layer_type=True,
+                          **GEMMA),
+}
+SOURCE_TYPES = tuple(FAMILIES)  # the model_types convertible, for the commands that name them
+# What `Family.biases` means, as refusals say it.
+BIASES = {"qkvo": "biases on q/k/v/o together or none", "qkv": "biases on q/k/v only", "none": "no attention biases"}
+# The LexConfig fields that only some families have (each a flag of Family): None in a LexConfig without them.
+OPTIONAL_FIELDS = ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")
+# The family that stands for Llama, Mistral and Qwen2 until their biases and window pick one (`implied_family`):
+# the three share every other field.
+LLAMA = "llama"
+
+
 # ---------------------------------------------------------------- the rotation layouts
 
 
@@ -153,8 +242,9 @@ def rotary_heads(name: str, config) -> int | None:
 
 
 def fused_parts(name: str, config) -> list[tuple[str, int]] | None:
-    """A fused Phi-3 tensor's parts (HF's unfused name, rows) in row order; None for any other tensor or model."""
-    if config.hf_model_type != "phi3":
+    """A fused Phi-3 tensor's parts (HF's unfused name, rows) in row order; None for any other tensor or a family
+    that fuses none."""
+    if not family_of(config).fused:
         return None
     inner, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     rows = {"self_attn.qkv_proj": (inner, kv, kv), "mlp.gate_up_proj": (config.intermediate_size,) * 2}
@@ -165,8 +255,8 @@ def fused_parts(name: str, config) -> list[tuple[str, int]] | None:
 
 
 def fused_name(name: str, config) -> str | None:
-    """The fused Phi-3 tensor an HF-named part belongs to (None: not a part, or not a Phi-3 model)."""
-    if config.hf_model_type != "phi3":
+    """The fused Phi-3 tensor an HF-named part belongs to (None: not a part, or a family that fuses none)."""
+    if not family_of(config).fused:
         return None
     for fused, parts in FUSED.items():
         for part in parts:
@@ -197,12 +287,12 @@ def hf_name(lex_name_: str, config: LexConfig) -> str:
 # ---------------------------------------------------------------- HF -> LEX: configs
 
 
-def source_window(hf_config) -> int | None:
-    """The source's sliding window (every layer the same), None for full attention (Gemma's global layers: its
-    sliding layers are local layers, `gemma_fields`)."""
-    if hf_config.model_type in GEMMA_TYPES:
+def source_window(hf_config, family: Family) -> int | None:
+    """The source's sliding window (every layer the same), None for full attention (a family with local layers:
+    its global layers; its sliding layers are local layers, `local_layer_fields`)."""
+    if family.sliding == "local_layers":
         return None
-    if hf_config.model_type in ("mistral", "phi3"):  # their models apply sliding_window on every layer
+    if family.sliding == "every_layer":
         return hf_config.sliding_window
     layer_types = getattr(hf_config, "layer_types", None)
     if not layer_types or set(layer_types) == {"full_attention"}:
@@ -216,60 +306,71 @@ def source_window(hf_config) -> int | None:
     )
 
 
-def source_rope(hf_config) -> dict:
-    """The source's one rope; which rope types a LexConfig computes is LexConfig's rule (validate_rope_type)."""
+def source_rope(hf_config, family: Family) -> dict:
+    """The source's one rope (a family with a rope per layer type: the global layers', the local ones' in
+    `local_layer_fields`); which rope types a LexConfig computes is LexConfig's rule (validate_rope_type)."""
     rope = dict(hf_config.rope_parameters or {})
-    if hf_config.model_type == "gemma3_text":  # per layer type: the global layers' (the local ones': gemma_fields)
+    if family.rope_per_layer_type:
         rope = dict(rope["full_attention"])
     if any(isinstance(value, dict) for value in rope.values()):
         raise ConversionError(f"rope_parameters per layer type ({', '.join(rope)}): a LexConfig has one rope")
     return rope
 
 
-def source_biases(hf_config) -> dict:
-    """Which projections carry biases: Llama's, Qwen3's, SmolLM3's and Gemma's attention_bias is on q/k/v/o,
-    Qwen2's biases are on q/k/v only; Mistral and Phi-3 have none."""
-    model_type = hf_config.model_type
-    if model_type in ("llama", "qwen3", "smollm3", *GEMMA_TYPES):
+def source_biases(hf_config, family: Family) -> dict:
+    """Which projections carry biases (`Family.biases`), and the MLP's where the family has an mlp_bias field."""
+    if family.biases == "qkvo":
         return dict(attention_bias=hf_config.attention_bias, attention_output_bias=hf_config.attention_bias,
-                    mlp_bias=getattr(hf_config, "mlp_bias", False))
-    return dict(attention_bias=model_type == "qwen2", attention_output_bias=False, mlp_bias=False)
+                    mlp_bias=family.mlp_bias and hf_config.mlp_bias)
+    return dict(attention_bias=family.biases == "qkv", attention_output_bias=False, mlp_bias=False)
 
 
-def source_family(hf_config) -> dict:
-    """The LexConfig fields of a family's own features: Qwen3's q/k norms, SmolLM3's layers without rotary, and
-    the family to convert back to where the other fields do not imply it. Phi-3's dropouts, which no LexConfig
-    field keeps, are refused unless 0."""
+def source_family(hf_config, family: Family) -> dict:
+    """The LexConfig fields of a family's own features (its row's flags): q/k norms, layers without rotary, Gemma's
+    norms, embedding scale, post-sublayer norms, query_pre_attn_scalar, soft-capping and local layers, and the family
+    to convert back to where the other fields do not imply it. What no LexConfig computes is refused by name:
+    dropouts of its own unless 0, bidirectional attention, a cap the family's model never applies."""
     model_type = hf_config.model_type
-    if model_type == "phi3":
-        for field in ("resid_pdrop", "embd_pdrop"):
-            if getattr(hf_config, field):
-                raise ConversionError(f"phi3 {field}={getattr(hf_config, field)}: no LexConfig field keeps Phi-3's "
-                                      "own dropouts (allowed: 0.0)")
-    rope_layers = None
-    if model_type == "smollm3":
-        if any(flag not in (0, 1) for flag in hf_config.no_rope_layers):
-            raise ConversionError(f"smollm3 no_rope_layers={list(hf_config.no_rope_layers)}: allowed: 0 or 1 per layer")
-        flags = [bool(flag) for flag in hf_config.no_rope_layers]
-        rope_layers = None if all(flags) else flags  # rotary on every layer: as any LEX model with rope
-    return dict(qk_norm=model_type in ("qwen3", "gemma3_text"), rope_layers=rope_layers,
-                hf_model_type=model_type if model_type in HF_MODEL_TYPES else None,
-                **(gemma_fields(hf_config) if model_type in GEMMA_TYPES else {}))
-
-
-def gemma_fields(hf_config) -> dict:
-    """The LexConfig fields of Gemma 2 and Gemma 3 (text): norms scaled by 1 + w, embeddings scaled by
-    sqrt(hidden) in the lookup, post-sublayer norms, query_pre_attn_scalar, soft-capping, and the sliding_attention
-    layers as local layers over their trained window (Gemma 3: with the sliding_attention rope). What no LexConfig
-    computes is refused by name: bidirectional attention, Gemma 3's attn_logit_softcapping (which its model never
-    applies), layer types other than full_attention and sliding_attention."""
-    model_type = hf_config.model_type
-    if hf_config.use_bidirectional_attention:
+    for field in family.dropouts:
+        if getattr(hf_config, field):
+            raise ConversionError(f"{model_type} {field}={getattr(hf_config, field)}: no LexConfig field keeps "
+                                  f"{family.title}'s own dropouts (allowed: 0.0)")
+    if getattr(hf_config, "use_bidirectional_attention", None):
         raise ConversionError(f"{model_type} use_bidirectional_attention={hf_config.use_bidirectional_attention}: "
                               "LEX models are causal (allowed: False or None)")
-    if model_type == "gemma3_text" and hf_config.attn_logit_softcapping is not None:
-        raise ConversionError(f"gemma3_text attn_logit_softcapping={hf_config.attn_logit_softcapping}: transformers' "
-                              "Gemma 3 never applies it, a LEX model would (allowed: None)")
+    if not family.attn_logit_softcapping and getattr(hf_config, "attn_logit_softcapping", None) is not None:
+        raise ConversionError(f"{model_type} attn_logit_softcapping={hf_config.attn_logit_softcapping}: "
+                              f"transformers' {family.title} never applies it, a LEX model would (allowed: None)")
+    rope_layers = None
+    if family.no_rope_layers:
+        if any(flag not in (0, 1) for flag in hf_config.no_rope_layers):
+            raise ConversionError(f"{model_type} no_rope_layers={list(hf_config.no_rope_layers)}: allowed: 0 or 1 "
+                                  "per layer")
+        flags = [bool(flag) for flag in hf_config.no_rope_layers]
+        rope_layers = None if all(flags) else flags  # rotary on every layer: as any LEX model with rope
+    fields = dict(
+        qk_norm=family.qk_norm, rope_layers=rope_layers,
+        hf_model_type=model_type if model_type in HF_MODEL_TYPES else None,
+        norm_type=family.norm_type, sublayer_output_norms=family.sublayer_output_norms,
+        embedding_scale=hf_config.hidden_size**0.5 if family.embedding_scale else 1.0,
+        embedding_scale_in_lookup=family.embedding_scale,
+        **{field: getattr(hf_config, field) for field in family_fields(family)},
+    )
+    if family.sliding == "local_layers":
+        fields.update(local_layer_fields(hf_config, family))
+    return fields
+
+
+def family_fields(family: Family) -> list[str]:
+    """The OPTIONAL_FIELDS the family has (named alike in its config, a LexConfig and its row)."""
+    return [field for field in OPTIONAL_FIELDS if getattr(family, field)]
+
+
+def local_layer_fields(hf_config, family: Family) -> dict:
+    """The sliding_attention layers as LEX local layers over their trained window (with the sliding_attention rope
+    where the family has one per layer type); layer types other than full_attention and sliding_attention are
+    refused by name."""
+    model_type = hf_config.model_type
     layer_types = list(hf_config.layer_types)
     if not set(layer_types) <= {"full_attention", "sliding_attention"}:
         raise ConversionError(f"{model_type} layer_types={layer_types}: allowed per layer: full_attention, "
@@ -279,14 +380,11 @@ def gemma_fields(hf_config) -> dict:
     if any(local) and window is None:
         raise ConversionError(f"{model_type} sliding_window=None with sliding_attention layers: a local layer needs "
                               "its window")
-    fields = dict(norm_type="gemma_rmsnorm", sublayer_output_norms=True, embedding_scale=hf_config.hidden_size**0.5,
-                  embedding_scale_in_lookup=True, query_pre_attn_scalar=hf_config.query_pre_attn_scalar,
-                  attn_logit_softcapping=hf_config.attn_logit_softcapping,
-                  final_logit_softcapping=hf_config.final_logit_softcapping)
-    if window is not None:  # kept with all-global layers too, so that it goes back
-        fields.update(local_layers=local, local_attention_window=window)
-        if model_type == "gemma3_text":
-            fields["local_rope_parameters"] = dict(hf_config.rope_parameters["sliding_attention"])
+    if window is None:
+        return {}
+    fields = dict(local_layers=local, local_attention_window=window)  # kept with all-global layers too: it goes back
+    if family.rope_per_layer_type:
+        fields["local_rope_parameters"] = dict(hf_config.rope_parameters["sliding_attention"])
     return fields
 
 
@@ -314,23 +412,24 @@ def lex_config_from_hf(
     blocks of `attention_memory_block_size` tokens (None: LexConfig's default).
     """
     model_type = getattr(hf_config, "model_type", None)
-    if model_type not in SOURCE_TYPES:
-        why = f" (it uses {FOREIGN_POSITIONS[model_type]})" if model_type in FOREIGN_POSITIONS else ""
+    family = FAMILIES.get(model_type)
+    if family is None:
+        foreign = FOREIGN_POSITIONS.get(model_type)
+        why = f" (it uses {foreign})" if foreign else ""
         raise ConversionError(f"model_type {model_type!r} is not a convertible model{why}; "
-                              f"convertible: {', '.join(SOURCE_TYPES)}")
+                              f"convertible: {', '.join(FAMILIES)}")
     if attention_mode is not None and attention_mode not in ATTENTION_MODES:
         raise ConversionError(f"attention_mode={attention_mode!r}: allowed: {', '.join(ATTENTION_MODES)}")
     if position_embedding_type not in RETROFITS:
         raise ConversionError(f"position_embedding_type={position_embedding_type!r}: allowed for a {model_type} "
                               f"checkpoint: {', '.join(RETROFITS)}")
-    window = source_window(hf_config)
+    window = source_window(hf_config, family)
     if window is not None and (window < 4 or window % 2):
         raise ConversionError(f"{model_type} sliding_window={window}: a LEX attention_window is an even integer >= 4")
-    rope = source_rope(hf_config)
-    activation_field = "hidden_activation" if model_type in GEMMA_TYPES else "hidden_act"  # Gemma's own name
-    activation = getattr(hf_config, activation_field)
+    rope = source_rope(hf_config, family)
+    activation = getattr(hf_config, family.activation_field)
     if activation not in HF_ACTIVATIONS:
-        raise ConversionError(f"{activation_field}={activation!r}: convertible: {', '.join(HF_ACTIVATIONS)}")
+        raise ConversionError(f"{family.activation_field}={activation!r}: convertible: {', '.join(HF_ACTIVATIONS)}")
     length = hf_config.max_position_embeddings
     fields = dict(
         vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size,
@@ -343,13 +442,13 @@ def lex_config_from_hf(
         attention_window=attention_window or window or length + length % 2, attention_sinks=attention_sinks,
         attention_sink_positions=attention_sink_positions, attention_memory_blocks=attention_memory_blocks,
         **({} if attention_memory_block_size is None else {"attention_memory_block_size": attention_memory_block_size}),
-        norm_type="rmsnorm", rms_norm_eps=hf_config.rms_norm_eps, mlp_type="gated", **source_biases(hf_config),
-        normalize_before=True, subln=False, deepnorm=False, layernorm_embedding=False, embedding_scale=1.0,
+        rms_norm_eps=hf_config.rms_norm_eps, mlp_type="gated", **source_biases(hf_config, family),
+        normalize_before=True, subln=False, deepnorm=False, layernorm_embedding=False,
         attention_dropout=hf_config.attention_dropout, initializer_range=hf_config.initializer_range,
         tie_word_embeddings=hf_config.tie_word_embeddings, pad_token_id=hf_config.pad_token_id,
         bos_token_id=hf_config.bos_token_id, eos_token_id=hf_config.eos_token_id,
     )
-    fields.update(source_family(hf_config))  # a family's own fields (Gemma's norm_type and embedding_scale too)
+    fields.update(source_family(hf_config, family))
     if position_embedding_type == "xpos":
         fields["xpos_scale_base"] = xpos_scale_base(length)
     try:
@@ -369,75 +468,93 @@ def lex_config_from_hf(
 
 
 def hf_family(config: LexConfig) -> str | None:
-    """The family a LEX config goes back to: its `hf_model_type`, else Qwen3 where it has q/k norms and SmolLM3
-    where some layers take no rotary; None: Llama, Mistral or Qwen2, whichever its biases and window imply."""
-    if config.hf_model_type is not None:
-        return config.hf_model_type
-    if config.qk_norm:
-        return "qwen3"
-    return "smollm3" if config.rope_layers is not None else None
+    """The family a LEX config goes back to: its `hf_model_type`, else the first whose `implied_by` field it sets
+    (Qwen3: q/k norms, SmolLM3: layers without rotary); None: Llama, Mistral or Qwen2, whichever its biases and
+    window imply (`implied_family`)."""
+    return config.hf_model_type or next((model_type for model_type, family in FAMILIES.items()
+                                         if family.implied_by and getattr(config, family.implied_by)), None)
 
 
-def family_config(config: LexConfig, family: str, common: dict) -> PreTrainedConfig:
-    """The Qwen3, Phi-3, SmolLM3, Gemma 2 or Gemma 3 config computing what `config` does, or a ConversionError
-    naming the field."""
-    qk_norm = family in ("qwen3", "gemma3_text")
-    if qk_norm != config.qk_norm:
-        refuse_field(config, "qk_norm", f"hf_model_type={family!r} {'has' if qk_norm else 'has no'} "
-                                        f"per-head q/k norms (allowed: {qk_norm})")
-    if config.rope_layers is not None and family != "smollm3":
-        refuse_field(config, "rope_layers", f"hf_model_type={family!r} rotates every layer; only SmolLM3 has layers "
-                                            "without rotary (allowed: None)")
-    all_or_none = False if family == "phi3" else config.attention_bias
-    for field in ("attention_bias", "attention_output_bias"):
-        if getattr(config, field) != all_or_none:
-            refuse_field(config, field, f"hf_model_type={family!r} has biases on q/k/v/o together or none, Phi-3 "
-                                        f"none (allowed: {all_or_none})")
-    if config.mlp_bias and family != "smollm3":
-        refuse_field(config, "mlp_bias", f"hf_model_type={family!r} has no MLP biases (allowed: False)")
-    if family in GEMMA_TYPES:
-        return gemma_config(config, family, common)
+def family_of(config: LexConfig) -> Family:
+    """The row of the family `config` goes back to; Llama's stands for the three that its biases and window pick
+    from, which differ in nothing else."""
+    return FAMILIES[hf_family(config) or LLAMA]
+
+
+def implied_family(config: LexConfig) -> str:
+    """Llama (full attention), Mistral (sliding) or Qwen2 (q/k/v biases only), whichever computes `config`'s biases
+    and window; else a ConversionError naming the field none of them computes."""
+    qkv_only = config.attention_bias and not config.attention_output_bias
+    if config.attention_output_bias and not config.attention_bias:
+        refuse_field(config, "attention_output_bias", "no HF architecture has a bias on o_proj without biases on "
+                                                      "q/k/v (Llama: all four, Qwen2: q/k/v only)")
     sliding = config.attention_mode == "sliding"
-    window = config.attention_window if sliding else None
-    if family != "qwen3" and config.head_dim == config.hidden_size // config.num_attention_heads:
-        common = {k: v for k, v in common.items() if k != "head_dim"}  # no field of theirs: their default, unsaved
-    if family == "qwen3":
-        windows = dict(use_sliding_window=True, sliding_window=window, max_window_layers=0) if sliding else {}
-        return Qwen3Config(**common, attention_bias=config.attention_bias, **windows)
-    if family == "phi3":
-        return Phi3Config(**common, sliding_window=window)
-    rope_layers = config.rope_layers or [True] * config.num_hidden_layers
-    windows = dict(use_sliding_window=True, sliding_window=window,
-                   layer_types=["sliding_attention"] * config.num_hidden_layers) if sliding else {}
-    return SmolLM3Config(**common, attention_bias=config.attention_bias, mlp_bias=config.mlp_bias,
-                         no_rope_layers=[int(flag) for flag in rope_layers], **windows)
+    if sliding and config.attention_output_bias:
+        refuse_field(config, "attention_output_bias", "with attention_mode='sliding' no HF architecture has it "
+                                                      "(Mistral has no biases, Qwen2 none on o_proj)")
+    if config.mlp_bias and (sliding or qkv_only):
+        refuse_field(config, "mlp_bias", "only Llama has MLP biases, with full attention and biases on q/k/v/o or none")
+    return "qwen2" if qkv_only else "mistral" if sliding else LLAMA
 
 
-def gemma_config(config: LexConfig, family: str, common: dict) -> PreTrainedConfig:
-    """The Gemma2Config or Gemma3TextConfig computing what `config` does: its global layers attend fully, its local
-    layers slide over `local_attention_window` (Gemma 2 with the global rope, Gemma 3 with its own)."""
-    if config.attention_mode != "full":
-        refuse_field(config, "attention_mode", f"hf_model_type={family!r} has global layers with full attention and "
-                                               "local layers that slide (allowed: 'full')")
-    if family == "gemma2" and config.local_rope_parameters not in (None, config.rope_parameters):
-        refuse_field(config, "local_rope_parameters", "Gemma 2 rotates local and global layers alike (allowed: None)")
-    if family == "gemma3_text" and config.attn_logit_softcapping is not None:
-        refuse_field(config, "attn_logit_softcapping", "transformers' Gemma 3 never caps attention scores (allowed: "
-                                                       "None)")
-    fields = {k: v for k, v in common.items() if k != "hidden_act"}
-    local = config.local_layers or [False] * config.num_hidden_layers
-    fields.update(
-        hidden_activation=config.hidden_act, attention_bias=config.attention_bias,
-        query_pre_attn_scalar=config.query_pre_attn_scalar or config.head_dim,
-        sliding_window=config.local_attention_window,
-        layer_types=["sliding_attention" if flag else "full_attention" for flag in local],
-        final_logit_softcapping=config.final_logit_softcapping,
-    )
-    if family == "gemma2":
-        return Gemma2Config(**fields, attn_logit_softcapping=config.attn_logit_softcapping)
-    fields["rope_parameters"] = {"full_attention": dict(config.rope_parameters),
-                                 "sliding_attention": dict(config.local_rope_parameters or config.rope_parameters)}
-    return Gemma3TextConfig(**fields)
+def check_family(config: LexConfig, model_type: str) -> None:
+    """A ConversionError naming the first field of `config` that the family `model_type` does not compute: q/k
+    norms, layers without rotary, biases, a window on every layer, the local layers' own rope."""
+    family = FAMILIES[model_type]
+    if family.qk_norm != config.qk_norm:
+        refuse_field(config, "qk_norm", f"hf_model_type={model_type!r} {'has' if family.qk_norm else 'has no'} "
+                                        f"per-head q/k norms (allowed: {family.qk_norm})")
+    if config.rope_layers is not None and not family.no_rope_layers:
+        without = " and ".join(other.title for other in FAMILIES.values() if other.no_rope_layers)
+        refuse_field(config, "rope_layers", f"hf_model_type={model_type!r} rotates every layer; only {without} has "
+                                            "layers without rotary (allowed: None)")
+    allowed = {"qkvo": (config.attention_bias,) * 2, "qkv": (True, False), "none": (False, False)}[family.biases]
+    for field, value in zip(("attention_bias", "attention_output_bias"), allowed):
+        if getattr(config, field) != value:
+            refuse_field(config, field, f"hf_model_type={model_type!r} has {BIASES[family.biases]} (allowed: {value})")
+    if config.mlp_bias and not family.mlp_bias:
+        refuse_field(config, "mlp_bias", f"hf_model_type={model_type!r} has no MLP biases (allowed: False)")
+    if family.windows is None and config.attention_mode != "full":
+        local = " and local layers that slide" if family.sliding == "local_layers" else ""
+        refuse_field(config, "attention_mode", f"hf_model_type={model_type!r} has global layers with full attention"
+                                               f"{local} (allowed: 'full')")
+    if not family.rope_per_layer_type and config.local_rope_parameters not in (None, config.rope_parameters):
+        refuse_field(config, "local_rope_parameters", f"{family.title} rotates local and global layers alike "
+                                                      "(allowed: None)")
+
+
+def family_config(config: LexConfig, model_type: str, common: dict) -> PreTrainedConfig:
+    """The config of the family `model_type` computing what `config` does (`common`: the fields every family has),
+    or a ConversionError naming the field (`check_family`)."""
+    check_family(config, model_type)
+    family = FAMILIES[model_type]
+    fields = dict(common)
+    fields[family.activation_field] = fields.pop("hidden_act")
+    if not family.head_dim and config.head_dim == config.hidden_size // config.num_attention_heads:
+        del fields["head_dim"]  # no field of theirs: their default, unsaved
+    if family.biases == "qkvo":
+        fields["attention_bias"] = config.attention_bias
+    if family.mlp_bias:
+        fields["mlp_bias"] = config.mlp_bias
+    if family.no_rope_layers:
+        fields["no_rope_layers"] = [int(flag) for flag in config.rope_layers or [True] * config.num_hidden_layers]
+    optional = dict(query_pre_attn_scalar=config.query_pre_attn_scalar or config.head_dim,
+                    attn_logit_softcapping=config.attn_logit_softcapping,
+                    final_logit_softcapping=config.final_logit_softcapping)
+    fields.update({field: optional[field] for field in family_fields(family)})
+    if family.sliding == "local_layers":
+        local = config.local_layers or [False] * config.num_hidden_layers
+        fields.update(sliding_window=config.local_attention_window,
+                      layer_types=["sliding_attention" if flag else "full_attention" for flag in local])
+    if family.rope_per_layer_type:
+        fields["rope_parameters"] = {"full_attention": dict(config.rope_parameters), "sliding_attention": dict(
+            config.local_rope_parameters or config.rope_parameters)}
+    if family.windows is not None:
+        fields.update(family.windows(config, config.attention_window if config.attention_mode == "sliding" else None))
+    hf_config = family.config_class(**fields)
+    hf_config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hf_config.model_type]]
+    hf_config.dtype = config.dtype
+    return hf_config
 
 
 def hf_config_from_lex(config: LexConfig) -> PreTrainedConfig:
@@ -458,16 +575,17 @@ def hf_config_from_lex(config: LexConfig) -> PreTrainedConfig:
     if config.attention_mode == "blockwise":
         refuse_field(config, "attention_mode", "no HF architecture computes blockwise causal attention (allowed: "
                                                "'full' -> Llama or Qwen2, 'sliding' -> Mistral or Qwen2)")
-    family = hf_family(config)
-    gemma = family in GEMMA_TYPES
+    named = hf_family(config)
+    family = family_of(config)
     required = {"normalize_before": True, "subln": False, "deepnorm": False, "layernorm_embedding": False,
-                "norm_type": "gemma_rmsnorm" if gemma else "rmsnorm", "mlp_type": "gated",
-                "embedding_scale": config.hidden_size**0.5 if gemma else 1.0, "embedding_scale_in_lookup": gemma,
-                "sublayer_output_norms": gemma}
-    if not gemma:  # Gemma's alone
-        required.update(query_pre_attn_scalar=None, attn_logit_softcapping=None, final_logit_softcapping=None,
-                        local_layers=None)
-    architecture = f"hf_model_type={family!r}" if gemma else "no HF Llama-family architecture"
+                "norm_type": family.norm_type, "mlp_type": "gated",
+                "embedding_scale": config.hidden_size**0.5 if family.embedding_scale else 1.0,
+                "embedding_scale_in_lookup": family.embedding_scale,
+                "sublayer_output_norms": family.sublayer_output_norms}
+    required.update({field: None for field in OPTIONAL_FIELDS if not getattr(family, field)})
+    if family.sliding != "local_layers":
+        required["local_layers"] = None
+    architecture = f"hf_model_type={named!r}" if named else "no HF Llama-family architecture"
     for field, value in required.items():
         if getattr(config, field) != value:
             refuse_field(config, field, f"{architecture} computes it (allowed: {value!r})")
@@ -481,31 +599,7 @@ def hf_config_from_lex(config: LexConfig) -> PreTrainedConfig:
         attention_dropout=config.attention_dropout, initializer_range=config.initializer_range,
         pad_token_id=config.pad_token_id, bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
     )
-    if family is not None:
-        hf_config = family_config(config, family, common)
-        hf_config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hf_config.model_type]]
-        hf_config.dtype = config.dtype
-        return hf_config
-    qkv_only = config.attention_bias and not config.attention_output_bias
-    if config.attention_output_bias and not config.attention_bias:
-        refuse_field(config, "attention_output_bias", "no HF architecture has a bias on o_proj without biases on "
-                                                      "q/k/v (Llama: all four, Qwen2: q/k/v only)")
-    sliding = config.attention_mode == "sliding"
-    if sliding and config.attention_output_bias:
-        refuse_field(config, "attention_output_bias", "with attention_mode='sliding' no HF architecture has it "
-                                                      "(Mistral has no biases, Qwen2 none on o_proj)")
-    if config.mlp_bias and (sliding or qkv_only):
-        refuse_field(config, "mlp_bias", "only Llama has MLP biases, with full attention and biases on q/k/v/o or none")
-    window = config.attention_window if sliding else None
-    if qkv_only:
-        hf_config = Qwen2Config(**common, use_sliding_window=sliding, sliding_window=window, max_window_layers=0)
-    elif sliding:
-        hf_config = MistralConfig(**common, sliding_window=window)
-    else:
-        hf_config = LlamaConfig(**common, attention_bias=config.attention_bias, mlp_bias=config.mlp_bias)
-    hf_config.architectures = [f"{type(hf_config).__name__.removesuffix('Config')}ForCausalLM"]
-    hf_config.dtype = config.dtype
-    return hf_config
+    return family_config(config, named or implied_family(config), common)
 
 
 # ---------------------------------------------------------------- tensors
@@ -633,7 +727,8 @@ def gguf_file(path: str | Path) -> Path | None:
 
 
 def check_gguf(path: Path) -> None:
-    """The gguf package is there and `path` is a GGUF file of an architecture of GGUF_TYPES (its header only)."""
+    """The gguf package is there and `path` is a GGUF file of an architecture a family reads (`Family.gguf`; its
+    header only)."""
     if not is_gguf_available():
         raise ConversionError(f"{path}: reading a .gguf file needs the gguf package (>= 0.10): pip install gguf, or "
                               "pip install 'lex-transformer[gguf]'")
@@ -645,9 +740,10 @@ def check_gguf(path: Path) -> None:
     except (ValueError, KeyError, IndexError, OSError, UnicodeDecodeError) as error:
         why = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ConversionError(f"{path}: not a readable GGUF file ({why})") from None
-    if architecture not in GGUF_TYPES:
+    architectures = [family.gguf for family in FAMILIES.values() if family.gguf]
+    if architecture not in architectures:
         raise ConversionError(f"{path}: a GGUF file of architecture {architecture!r}, which this converter does not "
-                              f"read; convertible: {', '.join(GGUF_TYPES)}")
+                              f"read; convertible: {', '.join(architectures)}")
 
 
 @lru_cache(maxsize=4)
@@ -660,13 +756,13 @@ def read_gguf_config(path: Path, stamp: tuple[int, int]) -> PreTrainedConfig:
 
 
 def gguf_config(path: Path) -> PreTrainedConfig:
-    """The config of a .gguf file (GGUF_TYPES), without its weights (read once per file version)."""
+    """The config of a .gguf file (`check_gguf`), without its weights (read once per file version)."""
     stat = Path(path).stat()
     return read_gguf_config(Path(path).absolute(), (stat.st_mtime_ns, stat.st_size))
 
 
 def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """A .gguf file (GGUF_TYPES) as the transformers model it holds, dequantized to `dtype`, as a plain model:
+    """A .gguf file (`check_gguf`) as the transformers model it holds, dequantized to `dtype`, as a plain model:
     the loader's quantization_config (gguf) and quantizer are dropped, so that it saves as any model."""
     check_gguf(path)
     try:

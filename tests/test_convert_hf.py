@@ -7,6 +7,8 @@ must compute what the source computes under an explicit 4D mask written here fro
 modeling_lex). Everything runs in float32 on the CPU and nothing is downloaded.
 """
 
+import ast
+import dataclasses
 import json
 import logging
 import os
@@ -32,6 +34,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+import convert.hf
 from configuration_lex import LexConfig
 from convert.checkpoint import ConversionError
 from convert.hf import convert_hf, convert_to_hf, lex_config_from_hf, lex_from_hf
@@ -614,3 +617,100 @@ def test_xpos_retrofit_with_its_scale_set_to_1_computes_the_rope_source(name, tm
     tokens = ids(2, LONG)
     torch.testing.assert_close(logits(unscaled, tokens), logits(source, tokens), atol=1e-4, rtol=0)
     assert (logits(retrofit, tokens) - logits(source, tokens)).abs().max() > 1e-2
+
+
+# ---------------------------------------------------------------- the family table (convert.hf.FAMILIES)
+
+
+def model_type_comparisons(source: str) -> list[int]:
+    """The lines of every comparison that asks which family it has: a model_type or hf_model_type, a family's name
+    or GGUF architecture, or the tables of them."""
+    names = {"model_type", "hf_model_type", "named", "architecture", "FAMILIES", "SOURCE_TYPES", "HF_MODEL_TYPES",
+             "FOREIGN_POSITIONS"}
+    families = {*convert.hf.FAMILIES, *(family.gguf for family in convert.hf.FAMILIES.values() if family.gguf)}
+
+    def asks(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Name) and node.id in names
+                or isinstance(node, ast.Attribute) and node.attr in {"model_type", "hf_model_type"}
+                or isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in families)
+
+    return [node.lineno for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Compare)
+            and any(asks(sub) for part in (node.left, *node.comparators) for sub in ast.walk(part))]
+
+
+def test_convert_hf_asks_the_family_table_not_the_model_type():
+    """At most 4 comparisons of a model_type are left in convert/hf.py (18 before the table, issue 86; today 2:
+    whether LexConfig names the family back, and whether a .gguf file's architecture is a family's)."""
+    lines = model_type_comparisons((ROOT / "convert" / "hf.py").read_text())
+    assert len(lines) <= 4, f"comparisons of a model_type at convert/hf.py lines {lines}"
+
+
+SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=16)
+
+
+class Refused(str):
+    """A refusal's message, equal to any message that holds it."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Refused) and (self in other or other in self)
+
+    __hash__ = str.__hash__
+
+
+def gguf_header(path: Path, architecture: str) -> Path:
+    gguf = pytest.importorskip("gguf")
+    writer = gguf.GGUFWriter(path, architecture)  # a header only: the architecture is all the check reads
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+# (the row, what changes in it, what a converter function gives before the change, after it: a value, or the words
+# of its refusal)
+ROW_CHANGES = [
+    ("llama", dict(qk_norm=True), lambda tmp: lex_config_from_hf(LlamaConfig(**SMALL)).qk_norm, False, True),
+    ("llama", dict(biases="none"),
+     lambda tmp: lex_config_from_hf(LlamaConfig(**SMALL, attention_bias=True)).attention_bias, True, False),
+    ("llama", dict(embedding_scale=True), lambda tmp: lex_config_from_hf(LlamaConfig(**SMALL)).embedding_scale, 1.0,
+     32**0.5),
+    ("llama", dict(dropouts=("attention_dropout",)),
+     lambda tmp: lex_config_from_hf(LlamaConfig(**SMALL, attention_dropout=0.1)).attention_dropout, 0.1,
+     Refused("llama attention_dropout=0.1: no LexConfig field keeps Llama's own dropouts")),
+    ("mistral", dict(sliding="layer_types"),
+     lambda tmp: lex_config_from_hf(MistralConfig(**SMALL, sliding_window=8)).attention_mode, "sliding", "full"),
+    ("llama", dict(fused=True), lambda tmp: convert.hf.fused_parts(
+        "model.layers.0.mlp.gate_up_proj.weight", LexConfig(**LEX_BACKBONE)),
+     None, [("model.layers.0.mlp.gate_proj.weight", 48), ("model.layers.0.mlp.up_proj.weight", 48)]),
+    ("mistral", dict(windows=lambda config, window: dict(sliding_window=2 * window)), lambda tmp: convert.hf.
+     hf_config_from_lex(LexConfig(**{**LEX_BACKBONE, "attention_mode": "sliding", "attention_window": 8})).
+     sliding_window, 8, 16),
+    ("llama", dict(config_class=MistralConfig),
+     lambda tmp: convert.hf.hf_config_from_lex(LexConfig(**LEX_BACKBONE)).architectures, ["LlamaForCausalLM"],
+     ["MistralForCausalLM"]),
+    ("smollm3", dict(implied_by=None), lambda tmp: convert.hf.hf_config_from_lex(
+        LexConfig(**{**LEX_BACKBONE, "rope_layers": [True, False]})).no_rope_layers, [1, 0],
+     Refused("LexConfig.rope_layers=[True, False]: hf_model_type='llama' rotates every layer")),
+    ("llama", dict(gguf=None), lambda tmp: convert.hf.check_gguf(gguf_header(tmp / "llama.gguf", "llama")), None,
+     Refused("a GGUF file of architecture 'llama', which this converter does not read")),
+]
+
+
+@pytest.mark.parametrize("model_type, change, convert_, before, after", ROW_CHANGES,
+                         ids=[f"{row[0]}-{next(iter(row[1]))}" for row in ROW_CHANGES])
+def test_a_family_table_row_drives_the_converter(model_type, change, convert_, before, after, monkeypatch,
+                                                  tmp_path):
+    """Changing one field of one row changes what the functions that read it do (reading a config, splitting a
+    fused tensor, writing a config back, checking a .gguf file): none decides by the model_type itself."""
+    def outcome():
+        try:
+            return convert_(tmp_path)
+        except ConversionError as error:
+            return Refused(str(error))
+
+    assert outcome() == before
+    monkeypatch.setitem(convert.hf.FAMILIES, model_type, dataclasses.replace(convert.hf.FAMILIES[model_type],
+                                                                             **change))
+    assert outcome() == after
