@@ -113,6 +113,14 @@ CASES = {
                                  "--attention_memory_blocks", "2"],
                                 "--compile with a block memory (attention_memory_blocks=2)"),
     "generate-unknown-flag": ([*GENERATE, "--prompt_file", "{good}", "--beams", "2"], "unrecognized arguments: --beams"),
+    # lex serve (each refused before anything loads or listens)
+    "serve-not-a-model": (["serve", "{notmodel}"], "MODEL {notmodel}: not a model"),
+    "serve-tp-plan": (["serve", "{model}", "--tp_plan", "auto"], "--tp_plan auto: lex serve decodes in one process"),
+    "serve-state-dir-alone": (["serve", "{model}", "--state_dir", "{dir}"],
+                              "--state_dir keeps states pushed out of RAM: give --state_cache_bytes > 0 too"),
+    "serve-bad-port": (["serve", "{model}", "--port", "70000"], "--port must be in 1..65535, got 70000"),
+    "serve-default-past-limit": (["serve", "{model}", "--max_new_tokens_limit", "8", "--default_max_tokens", "9"],
+                                 "--default_max_tokens 9 is past --max_new_tokens_limit 8"),
     # lex export
     "export-not-a-model": (["export", "{notmodel}", "{out}"], "MODEL_DIR {notmodel}: not a model folder"),
     "export-no-such-model": (["export", "{missing}", "{out}"], "MODEL_DIR {missing}: no such model folder"),
@@ -159,7 +167,7 @@ CASES = {
 }
 # what lets a command write into (or replace) an existing output folder: the refusal must still come first
 EXISTING_OK = {"train": ["--overwrite_output_dir"], "export": ["--force"], "convert-torchscale": ["--force"],
-               "convert-to-torchscale": ["--force"], "convert-hf": ["--force"], "convert-to-hf": ["--force"], "eval-length": [], "demo": [], "generate": []}
+               "convert-to-torchscale": ["--force"], "convert-hf": ["--force"], "convert-to-hf": ["--force"], "eval-length": [], "demo": [], "generate": [], "serve": []}
 
 
 def snapshot(folder: Path) -> dict[str, str]:
@@ -263,11 +271,11 @@ def test_console_script_prints_one_line_and_exits_2(args, expected, inputs, tmp_
 
 
 def parsers() -> dict[str, argparse.ArgumentParser]:
-    from lex.commands import convert, convert_hf, demo, eval_length, export, generate
+    from lex.commands import convert, convert_hf, demo, eval_length, export, generate, serve
     from lex.commands.train import TrainArgumentParser
 
     return {"demo": demo.build_parser(), "eval-length": eval_length.build_parser(),
-            "generate": generate.build_parser(), "export": export.build_parser(),
+            "generate": generate.build_parser(), "serve": serve.build_parser(), "export": export.build_parser(),
             "convert-torchscale": convert.from_torchscale_parser(),
             "convert-to-torchscale": convert.to_torchscale_parser(), "convert-hf": convert_hf.convert_hf_parser(),
             "convert-to-hf": convert_hf.convert_to_hf_parser(), "train": TrainArgumentParser()}
@@ -367,7 +375,7 @@ def test_readme_command_lines_parse_as_written(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     lines = readme_command_lines()
     assert {line[0] for line in lines} == {"demo", "train", "eval-length", "generate", "convert-torchscale",
-                                          "convert-to-torchscale", "convert-hf", "convert-to-hf", "export"}
+                                          "convert-to-torchscale", "convert-hf", "convert-to-hf", "export", "serve"}
     tables = parsers()
     for name, *args in lines:
         args = [a for a in args if a != "..."]
