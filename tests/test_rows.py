@@ -25,10 +25,10 @@ def read_alone(model, ids: torch.Tensor) -> tuple[LexCache, int]:
 
 @pytest.mark.oldest
 @pytest.mark.parametrize("reading", READINGS)
+@torch.no_grad()
 def test_rows_decoded_together_equal_lone_generate(reading):
     """Prompts around the window and block boundaries (3 ... 40 tokens, w = 8), rows joining and leaving: every
     row's greedy tokens equal a lone generate() of its prompt."""
-    torch.set_grad_enabled(False)
     model = perturbed_model(tiny_config(**READINGS[reading]))
     lengths = [3, 7, 8, 9, 17, 40]
     prompts = [prompt(1, n, seed=n) for n in lengths]
@@ -51,9 +51,9 @@ def test_rows_decoded_together_equal_lone_generate(reading):
     assert tokens == lone
 
 
+@torch.no_grad()
 def test_a_raising_rows_step_leaves_every_cache_as_it_was(monkeypatch):
     """A batched step that raises in one layer: every row's cache continues afterwards as if it had not run."""
-    torch.set_grad_enabled(False)
     model = perturbed_model(tiny_config(**READINGS["sliding+sinks+memory"]))
     prompts = [prompt(1, n, seed=n) for n in (9, 30)]
     reads = [read_alone(model, p) for p in prompts]

@@ -183,6 +183,21 @@ def test_models_streaming_usage_stop_and_seeds(served):
     assert sampled[0] == sampled[1] and sampled[0] != sampled[2]
 
 
+def test_a_conversation_read_message_by_message_equals_reading_it_at_once_without_the_memory(served):
+    """Without the block memory the window reads each token alike whatever the forwards: a conversation of three
+    messages (read one message a forward) answers as a lone generate() of its whole rendering."""
+    server = served("sliding")
+    tokenizer = AutoTokenizer.from_pretrained(server.folder)
+    messages = [{"role": "system", "content": words_prompt(30, 11)}, {"role": "user", "content": words_prompt(9, 12)},
+                {"role": "assistant", "content": words_prompt(5, 13)}, {"role": "user", "content": words_prompt(4, 14)}]
+    answer = server.client.chat.completions.create(model=str(server.folder), messages=messages, max_tokens=24,
+                                                   temperature=0)
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(rendered, add_special_tokens=False).input_ids
+    expected = tokenizer.decode(lone_generate(server.folder, ids, 24), skip_special_tokens=True)
+    assert answer.choices[0].message.content == expected
+
+
 BAD = {
     "malformed JSON": (b'{"model": ', "body"),
     "not UTF-8": (b'{"model": "\xff\xfe"}', "body"),
@@ -248,14 +263,15 @@ def test_serve_refuses_what_it_cannot_do(tmp_path):
         assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
+@torch.no_grad()
 def test_a_forward_that_raises_fails_its_request_alone(monkeypatch):
     """One request's attention raises in a decoding step it shares with others (its cache past 6 tokens): that
     request gets an error, the batched step is retried row by row, and the others' answers still equal lone
     generate() (their caches were left exact)."""
     from lex.serving.engine import Engine, Request, Sampling
     from lex.serving.states import StateStore
+    from modeling_lex import LexRows
 
-    torch.set_grad_enabled(False)
     model = perturbed_model(tiny_config(**READINGS["memory"]))
     model.generation_config.eos_token_id = None
     tokenizer, _ = word_tokenizer()
@@ -266,7 +282,8 @@ def test_a_forward_that_raises_fails_its_request_alone(monkeypatch):
     original = attention.forward
 
     def raising(hidden_states, plan, cache=None, **kwargs):
-        if hidden_states.shape[1] == 1 and 6 <= cache.seen < 12:  # (only the 4-token request's cache is there)
+        rows = cache.rows if isinstance(cache, LexRows) else [cache]
+        if hidden_states.shape[1] == 1 and any(6 <= row.seen < 12 for row in rows):  # (the 4-token request's)
             raise RuntimeError("injected fault")
         return original(hidden_states, plan=plan, cache=cache, **kwargs)
 

@@ -69,6 +69,7 @@ class Request:
         self.generated: list[int] = []
         self.sent = 0  # characters of the decoded text already emitted
         self.cached_tokens = 0
+        self.started = 0.0  # when the engine took it (perf_counter), for the progress line
         self.generator = torch.Generator().manual_seed(sampling.seed if sampling.seed is not None
                                                        else secrets.randbits(63))
         self.warpers = LogitsProcessorList(
