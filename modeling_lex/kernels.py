@@ -14,19 +14,28 @@ from transformers.integrations.sdpa_attention import repeat_kv
 from .reading import AttentionPlan, Tile, additive_mask
 
 
-def apply_rotary(x: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, factors: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., head_dim) with each interleaved pair (x0, x1), read as the complex number x0 + i x1, multiplied by
     its factor from `rotary_factors`: TorchScale's rotation (x0 cos - x1 sin, x1 cos + x0 sin) and scale, taken in
     float32. Eager, as one complex product: one pass over x, where the real form takes four element-wise ops, each
     reading and writing all of it; compiled, in the real form, which inductor fuses into one kernel (it generates
-    no code for complex numbers, torch 2.13)."""
+    no code for complex numbers, torch 2.13). `out` (no autograd): the product is written there (it may be x),
+    where a caller's buffer is its place: in float32 eager, with no copy of it."""
     pairs, f = x.float().unflatten(-1, (-1, 2)), factors.unflatten(-1, (-1, 2))
     if torch.compiler.is_compiling():
         x0, x1, cos, sin = pairs[..., 0], pairs[..., 1], f[..., 0], f[..., 1]
         product = torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1)
+    elif out is not None and out.dtype == torch.float32:
+        torch.mul(torch.view_as_complex(pairs), torch.view_as_complex(f),
+                  out=torch.view_as_complex(out.unflatten(-1, (-1, 2))))
+        return out
     else:
         product = torch.view_as_real(torch.view_as_complex(pairs) * torch.view_as_complex(f))
-    return product.flatten(-2).to(x.dtype)
+    result = product.flatten(-2).to(x.dtype)
+    if out is not None:
+        out.copy_(result)
+        return out
+    return result
 
 
 def encode_tokens(query: torch.Tensor, key: torch.Tensor, factors: torch.Tensor | None
@@ -101,12 +110,16 @@ def _tile_inputs(tile: Tile, sink_slots: int, query, key, value, recalled=None, 
         v = torch.cat([value.gather(2, index), v], dim=2)
     if recalled is not None:
         memory_keys, memory_values = recalled
-        if tile.memory_place is not None:
-            memory_keys = apply_rotary(memory_keys, tile.memory_place)
         room = slice(keys.stop, keys.stop + memory_keys.shape[2])
         if lent and key.shape[2] >= room.stop:  # the cache lent the columns after its span: no copy of the span
-            key[:, :, room], value[:, :, room] = memory_keys, memory_values
+            if tile.memory_place is not None:  # turned straight into its columns
+                apply_rotary(memory_keys, tile.memory_place, out=key[:, :, room])
+            else:
+                key[:, :, room] = memory_keys
+            value[:, :, room] = memory_values
             return q, key[:, :, keys.start : room.stop], value[:, :, keys.start : room.stop]
+        if tile.memory_place is not None:
+            memory_keys = apply_rotary(memory_keys, tile.memory_place)
         k, v = torch.cat([k, memory_keys], dim=2), torch.cat([v, memory_values], dim=2)
     return q, k, v
 
@@ -151,11 +164,11 @@ def arrange(
     given, k, v = _tile_inputs(tile, plan.sink_slots, query, key, value, recalled if tile.n_memory else None,
                                lent=plan.cache_request.memory_room > 0)
     if tile.sink_key_rotation is not None:  # the sinks turned to the query (one query per row, per-token RoPE)
-        turned = apply_rotary(k[:, :, : tile.n_sinks], tile.sink_key_rotation)
-        if tile.sinks_in_slots and not turned.requires_grad:  # the cache lent its sink slots' copy for this forward
-            k[:, :, : tile.n_sinks] = turned
+        sinks = k[:, :, : tile.n_sinks]
+        if tile.sinks_in_slots and not k.requires_grad:  # the cache lent its sink slots' copy for this forward
+            apply_rotary(sinks, tile.sink_key_rotation, out=sinks)
         else:
-            k = torch.cat([turned, k[:, :, tile.n_sinks :]], dim=2)
+            k = torch.cat([apply_rotary(sinks, tile.sink_key_rotation), k[:, :, tile.n_sinks :]], dim=2)
     q = given
     if tile.factors is not None:
         q, k = apply_rotary(given, tile.factors[0]), apply_rotary(k, tile.factors[1])

@@ -43,7 +43,9 @@ def readable_blocks(policy: ReadingPolicy, evicted_valid: torch.Tensor, document
                     ) -> MemoryRead | None:
     """What a forward reads of the block memory, from whether each evicted token is real (`evicted_valid` (B, E)):
     the complete blocks, all real and after the sinks of the document of the forward's last query (which starts at
-    `document`, (B,)), and the slots they fill; None where no row has a candidate."""
+    `document`, (B,)), and the slots they fill; None where no row has a candidate. Only the slots some row fills
+    are read (the last of the k: the empty ones come first, and a slot no row fills adds nothing to attention), so
+    a document with fewer than k blocks past its window is not attended over k of them."""
     slots, block, sinks = policy.memory_blocks, policy.memory_block_size, policy.sinks
     blocks = evicted_valid.shape[1] // block
     if blocks == 0:
@@ -52,7 +54,8 @@ def readable_blocks(policy: ReadingPolicy, evicted_valid: torch.Tensor, document
     first = torch.arange(blocks, device=document.device) * block
     candidates = real & (first[None, :] >= document[:, None] + sinks)
     count = candidates.sum(1).clamp(max=slots)
-    if not bool(count.any()):
+    slots = int(count.max())
+    if slots == 0:
         return None
     filled = torch.arange(slots, device=document.device)[None, :] >= slots - count[:, None]
     return MemoryRead(candidates, filled.repeat_interleave(block, dim=1), document)
@@ -378,7 +381,7 @@ class BlockMemory:
             if group is not None:
                 dist.all_reduce(scores, group=group)
             total = evidence.add(scores)
-            picked = choose_blocks(torch.where(read.candidates, total, -torch.inf), self.slots,
+            picked = choose_blocks(torch.where(read.candidates, total, -torch.inf), read.token_valid.shape[1] // self.block,
                                    self.policy.centre_blocks)
             keys = self._blocks(self.keys, picked)
             chosen = Choice(picked, blocks, keys if frame is None else apply_rotary(keys, frame),

@@ -191,17 +191,19 @@ class LexAttention(nn.Module):
         value = self.v_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
         rows = list(zip(plan, cache.rows)) if isinstance(cache, LexRows) else [(plan, cache)]
         width = batch // len(rows)
+        raw_query = query  # (the block memory chooses by the queries before positions)
+        factors = [row_plan.token_factors for row_plan, _ in rows]  # (all None or none: one method, one kind)
+        query, key = encode_tokens(query, key, factors[0] if len(rows) == 1 or factors[0] is None
+                                   else torch.cat(factors))
         outputs = []
         for first, (plan, cache) in zip(range(0, batch, width), rows):
-            query_, key_, value_ = (x[first : first + width] for x in (query, key, value))
-            raw_query = query_  # (the block memory chooses by the queries before positions)
-            query_, key_ = encode_tokens(query_, key_, plan.token_factors)
+            query_, key_, value_, raw_query_ = (x[first : first + width] for x in (query, key, value, raw_query))
             recalled = None
             if isinstance(cache, LexCacheSteps):
                 key_, value_ = cache.update(key_, value_, self.layer_idx, plan.cache_request)
                 memory = cache.layers[self.layer_idx].memory
                 if memory is not None:  # the blocks past the window this layer's queries choose
-                    recalled = memory.recall(raw_query, plan.cache_request.memory_frame, self.tensor_parallel_group())
+                    recalled = memory.recall(raw_query_, plan.cache_request.memory_frame, self.tensor_parallel_group())
             elif cache is not None:  # a transformers cache: every key of the stream
                 key_, value_ = cache.update(key_, value_, self.layer_idx)
             q, k, v, bias = arrange(self, plan, query_, key_, value_, recalled)

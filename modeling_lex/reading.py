@@ -251,7 +251,8 @@ class MemoryRead:
     """What a forward reads of the block memory (the same for every layer; which blocks, each layer's own)."""
 
     candidates: torch.Tensor  # (B, blocks) bool: complete, all real, after the sinks of the last query's document
-    token_valid: torch.Tensor  # (B, k * block) bool: the slot holds a block (the last min(k, candidates) slots)
+    token_valid: torch.Tensor  # (B, n * block) bool: the slot holds a block (a row's last min(k, candidates) of the
+    # n <= k slots read: as many as the row with most candidates fills)
     document: torch.Tensor  # (B,) stream index where the last query's document starts: its queries read the memory
 
 
@@ -293,10 +294,10 @@ class CacheRequest:
     # span's end, where attention writes them (kernels.arrange), so that the span and the blocks are one tensor
     # without copying the span.
     memory_room: int = 0
-    # With a block memory (RoPE; None otherwise and in layers without positions): (1, 1, k * b, d), the rotation of
-    # raw memory keys to their places in the frame (ReadingPolicy.memory_frame), applied once per choice, so the
-    # memory holds the blocks it read so; and (B, 1, dropped, d), what undoes the rotation of the keys this forward
-    # evicts.
+    # With a block memory (RoPE; None otherwise and in layers without positions): (1, 1, n * b, d), the rotation of
+    # raw memory keys to their places in the frame (ReadingPolicy.memory_frame: the last n * b of its k * b places,
+    # for the n slots read), applied once per choice, so the memory holds the blocks it read so; and (B, 1, dropped,
+    # d), what undoes the rotation of the keys this forward evicts.
     memory_frame: torch.Tensor | None = None
     memory_unrotate: torch.Tensor | None = None
 
@@ -478,9 +479,9 @@ def _dense_tile(
     n_memory = 0
     if memory is not None:
         origin = sink_positions[:, :1] - frame[1][0] if frame is not None else policy.memory_tokens
-        factors, bias, distance, sink_query_factors, memory_place = _memory_terms(
-            position_method, (factors, bias, distance, sink_query_factors), policy, ctx, queries, origin)
         n_memory = memory.token_valid.shape[1]
+        factors, bias, distance, sink_query_factors, memory_place = _memory_terms(
+            position_method, (factors, bias, distance, sink_query_factors), policy, ctx, queries, origin, n_memory)
     if factors is not None:
         factors = tuple(f.unsqueeze(1) for f in factors)  # broadcast over heads
     allowed = None
@@ -502,9 +503,9 @@ def _dense_tile(
 
 
 def _memory_terms(position_method: PositionMethod, terms: tuple, policy: ReadingPolicy, ctx: AttentionContext, queries: slice,
-                  origin):
-    """The position terms of the block memory's k * b key columns (after the window part), in the frame
-    (ReadingPolicy.memory_frame). Returns (factors, bias, distance, sink_query_factors, memory_place).
+                  origin, n_memory: int):
+    """The position terms of the block memory's `n_memory` key columns (after the window part: the last of its k * b
+    places in the frame, ReadingPolicy.memory_frame). Returns (factors, bias, distance, sink_query_factors, memory_place).
 
     A method that is not per token gets their terms in the frame, met by the query's second copy (the sinks' own,
     or made here). Per-token RoPE: the memory holds its keys at their frame places (`CacheRequest.memory_frame`), and
@@ -525,7 +526,7 @@ def _memory_terms(position_method: PositionMethod, terms: tuple, policy: Reading
         if query_factors is None:
             query_factors = position_method.shift_factors(q_frame + origin - q_positions).unsqueeze(1)
         return factors, bias, distance, query_factors, position_method.shift_factors(shift).unsqueeze(1)
-    memory = position_method.terms(q_frame, k_frame.expand(q_frame.shape[0], -1))
+    memory = position_method.terms(q_frame, k_frame[-n_memory:].expand(q_frame.shape[0], -1))
     if memory.factors is not None:
         if query_factors is None:
             query_factors = memory.factors[0].unsqueeze(1)
@@ -635,7 +636,7 @@ def _memory_rotations(policy: ReadingPolicy, position_method: PositionMethod, ct
     frame = unrotate = None
     if position_method.per_token and policy.memory_tokens:
         if memory is not None:
-            frame = _frame_rotation(position_method, policy.memory_tokens, ctx.query_index.device)
+            frame = _frame_rotation(position_method, memory.token_valid.shape[1], ctx.query_index.device)
         if ctx.dropped:
             unrotate = position_method.shift_factors(-ctx.key_positions[:, : ctx.dropped]).unsqueeze(1)
     return frame, unrotate

@@ -4,12 +4,14 @@ The rule it follows (continuous batching over LEX's bounded caches):
 - Each request has its own LexCache of one row. Its prompt is read alone, one forward at a time in the forwards
   the model's own long forward runs (`DocumentState.read_steps`), so a 50-token question is never padded to a
   30k-token document and a prompt is read exactly as a lone generate() reads it.
-- Each turn of the loop runs at most one prompt forward (at most w tokens, the oldest waiting prompt's next span)
-  and then one decoding step of every request that has read its prompt, as one batch (`LexRows`: the dense
-  layers on the whole batch, each row's attention through its own cache). A request that arrives while others
-  decode joins the batch at the first step after its prompt is read; one that finishes or whose client has gone
-  leaves it at the next step. While a long prompt is read, the requests already decoding keep decoding, one token
-  each per prompt forward.
+- Each turn of the loop reads prompt forwards, oldest waiting prompt first, until the turn has read w tokens
+  (the window: a token budget per turn, as serving engines' chunked prefill has; one forward at least, and a
+  forward is never split), and then runs one decoding step of every request that has read its prompt, as one
+  batch (`LexRows`: the dense layers on the whole batch, each row's attention through its own cache). A request
+  that arrives while others decode joins the batch at the first step after its prompt is read; one that
+  finishes or whose client has gone leaves it at the next step. While a long prompt is read, the requests already
+  decoding keep decoding, one token each per w prompt tokens read; the pieces in which the block memory reads the
+  last window of a prompt (reading.py) share a turn, so requests that arrive together start decoding together.
 - A batched step that raises leaves every row's cache as it was (each cache's step discards); the rows are then
   stepped one at a time, so the request whose forward raises fails alone and the others go on exactly.
 - Kept states (`StateStore`, lex/serving/states.py): a request whose prompt begins with a kept state's tokens,
@@ -116,8 +118,7 @@ class Engine:
             while self.running:
                 self._admit(block=not self.reading and not self.decoding)
                 self._drop_cancelled()
-                if self.reading:
-                    self._read_one_forward(self.reading[0])
+                self._read_prompts(self.model.config.attention_window)
                 if self.decoding:
                     self._decode_step(self.decoding[: self.max_batch_size])
 
@@ -168,6 +169,15 @@ class Engine:
     def _drop_cancelled(self) -> None:
         for group in (self.reading, self.decoding):
             group[:] = [request for request in group if not request.cancelled.is_set()]
+
+    def _read_prompts(self, budget: int) -> None:
+        """Prompt forwards, oldest waiting prompt first, until `budget` tokens are read (at least one forward)."""
+        read = 0
+        while self.reading and read < budget:
+            request = self.reading[0]
+            before = request.cache.seen
+            self._read_one_forward(request)
+            read += max(request.cache.seen - before, 1)
 
     def _read_one_forward(self, request: Request) -> None:
         try:
