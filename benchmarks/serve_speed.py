@@ -11,8 +11,8 @@ token is time-stamped where the client sees it.
    is every new token over the time at least one client was between its first and last token. Request latency
    p50/p95 and time to first token are printed for both.
 2. A long prompt (--long_tokens) sent while --short requests decode: the short requests' inter-token latency
-   while it is read (the engine runs one forward of the long prompt, at most w tokens, then one decoding step of
-   every decoding request, in turn).
+   while it is read (the engine reads prompt forwards up to w tokens, then runs one decoding step of every
+   decoding request, in turn).
 3. Kept states: a conversation whose system message holds a --document_tokens document, asked one question by a
    server with --state_cache_bytes and --state_dir, then another: the second's time to first token beside the
    first's; the same after a restart on the same --state_dir; each answer beside a fresh server's (no states).

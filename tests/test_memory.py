@@ -603,3 +603,38 @@ def test_each_layer_calls_the_backend_once_and_the_memory_s_keys_reach_it_as_key
     with torch.no_grad():
         model(out[:, -1:], **{CACHE_NAME: cache})
     assert calls == [(layer, 1, held + 1 + slots * block) for layer in range(layers)]
+
+
+def test_a_step_attends_only_over_the_slots_it_fills(monkeypatch):
+    """While fewer blocks than slots lie past the window, a forward's tile holds the window part and the blocks
+    read, no empty slot (a document shorter than k blocks past its window is not attended over k); the logits are
+    the float64 reference's, which reads all k slots with the empty ones masked."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    import modeling_lex.modeling_lex as modeling
+
+    config = memory_config(position_embedding_type="rope", attention_mode="sliding", attention_sinks=0)
+    model = perturbed_model(config)
+    ids = distinct_prompt(W + 4 * BLOCK + 6, seed=3)
+    forwards = as_read([W + 1]) + [1] * (ids.shape[1] - W - 1)
+    cache = LexCache(config)
+    columns = []  # per forward of one token: (the keys layer 0 attends over, its window part, complete blocks)
+
+    class WatchedInterfaces:
+        def get_interface(self, implementation, default):
+            backend = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, default)
+
+            def watched(module, query, key, value, *args, **kwargs):
+                if module.layer_idx == 0 and query.shape[2] == 1:
+                    columns.append((key.shape[2], cache.layers[0].get_seq_length() + 1,
+                                    cache.layers[0].memory.blocks))
+                return backend(module, query, key, value, *args, **kwargs)
+
+            return watched
+
+    monkeypatch.setattr(modeling, "ALL_ATTENTION_FUNCTIONS", WatchedInterfaces())
+    logits = read(model, ids, forwards, cache)
+    memory_columns = [keys - window for keys, window, _ in columns]
+    assert memory_columns == [BLOCK * min(BLOCKS, blocks) for _, _, blocks in columns]
+    assert 0 < min(column for column in memory_columns if column) < BLOCKS * BLOCK == max(memory_columns)
+    assert_reference(model, ids, forwards, logits)
