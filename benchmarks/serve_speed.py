@@ -200,7 +200,7 @@ def long_read(args, tokenizer) -> dict:
     print(f"\na {figures['long prompt tokens']}-token prompt read in {figures['long first token s']:.1f} s while "
           f"{args.short} short requests decode: they made {during} tokens meanwhile, inter-token latency p50 "
           f"{figures['inter-token p50 s']:.2f} s, p95 {figures['inter-token p95 s']:.2f} s, max "
-          f"{figures['inter-token max s']:.2f} s (one forward of the long prompt, then one decoding step, in turn)")
+          f"{figures['inter-token max s']:.2f} s (prompt forwards up to w tokens, then one decoding step, in turn)")
     return {"long read": figures}
 
 

