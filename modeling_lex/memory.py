@@ -292,11 +292,11 @@ class BlockMemory:
     What it holds changes at `commit` only."""
 
     def __init__(self, policy: ReadingPolicy, scaling: float, forward: OpenStep, directory: str | None = None) -> None:
-        """The policy's blocks and constants (`memory_block_size`, `memory_blocks` read, `piece`,
-        `representatives`, `centre_blocks`); queries scaled by `scaling` as attention scales them; `forward`: the
+        """The policy's blocks and constants (`memory_block_size`, `piece`, `representatives`, `centre_blocks`; the
+        slots a forward reads come with it, `MemoryRead`); queries scaled by `scaling` as attention scales them; `forward`: the
         forward open now, shared with the cache's other layers."""
         self.policy, self.scaling, self.forward, self.directory = policy, scaling, forward, directory
-        self.block, self.slots = policy.memory_block_size, policy.memory_blocks
+        self.block = policy.memory_block_size
         self.keys = self.values = self.representatives = None
         self.length = 0  # tokens held (E)
         self.reserved = 0  # tokens the store makes room for at its next growth (`reserve`)
@@ -381,8 +381,8 @@ class BlockMemory:
             if group is not None:
                 dist.all_reduce(scores, group=group)
             total = evidence.add(scores)
-            picked = choose_blocks(torch.where(read.candidates, total, -torch.inf), read.token_valid.shape[1] // self.block,
-                                   self.policy.centre_blocks)
+            slots = read.token_valid.shape[1] // self.block
+            picked = choose_blocks(torch.where(read.candidates, total, -torch.inf), slots, self.policy.centre_blocks)
             keys = self._blocks(self.keys, picked)
             chosen = Choice(picked, blocks, keys if frame is None else apply_rotary(keys, frame),
                             self._blocks(self.values, picked))
