@@ -175,7 +175,7 @@ def arrange(
     if tile.sink_query_factors is not None:
         q, k, v = _meet_sinks_in_their_frame(q, apply_rotary(given, tile.sink_query_factors), k, v, tile.n_sinks,
                                              tile.n_memory)
-    bias = tile.mask
+    bias = tile.bias
     if tile.distance is not None:  # a bias the layer learned (KERPLE), on top of the mask
         learned = module.learned_bias(tile.distance).to(q.dtype)
         bias = additive_mask(None, learned, q.dtype) if bias is None else bias + learned  # (None: plainly causal)

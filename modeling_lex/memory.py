@@ -291,11 +291,12 @@ class BlockMemory:
     """One layer's evicted keys and values (raw, stream order), their blocks' representatives and the last choice.
     What it holds changes at `commit` only."""
 
-    def __init__(self, policy: ReadingPolicy, scaling: float, forward: OpenStep, directory: str | None = None) -> None:
+    def __init__(self, policy: ReadingPolicy, scaling: float, open_step: OpenStep, directory: str | None = None
+                 ) -> None:
         """The policy's blocks and constants (`memory_block_size`, `piece`, `representatives`, `centre_blocks`; the
-        slots a forward reads come with it, `MemoryRead`); queries scaled by `scaling` as attention scales them; `forward`: the
-        forward open now, shared with the cache's other layers."""
-        self.policy, self.scaling, self.forward, self.directory = policy, scaling, forward, directory
+        slots a forward reads come with it, `MemoryRead`); queries scaled by `scaling` as attention scales them;
+        `open_step`: the forward open now, shared with the cache's other layers."""
+        self.policy, self.scaling, self.open_step, self.directory = policy, scaling, open_step, directory
         self.block = policy.memory_block_size
         self.keys = self.values = self.representatives = None
         self.length = 0  # tokens held (E)
@@ -349,21 +350,22 @@ class BlockMemory:
 
     def recall(self, query: torch.Tensor, frame: torch.Tensor | None = None, group: ProcessGroup | None = None
                ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The blocks this layer's queries (B, Hq, T, d, before positions) read in the forward open now (`read`),
+        """The blocks this layer's queries (B, Hq, T, d, before positions) read in the forward open now (`choose`),
         keys and values (B, H, k*block, d); None where the forward reads nothing of the memory. The choice is
         staged: held from `commit` on, dropped by `discard`. `group`: the tensor-parallel group whose ranks hold
-        the layer's other heads (see `read`)."""
-        step = self.forward.step
+        the layer's other heads (see `choose`)."""
+        step = self.open_step.step
         if step is None:
             return None
-        self.pending = self.read(query, step.read, step.evidence, frame, group)
+        self.pending = self.choose(query, step.read, step.evidence, frame, group)
         return self.pending.keys, self.pending.values
 
-    def read(self, query: torch.Tensor, read: MemoryRead, evidence: Evidence,
-             frame: torch.Tensor | None = None, group: ProcessGroup | None = None) -> Choice:
-        """The k slots' keys and values (B, H, k*block, d) for a layer's queries (B, Hq, T, d) before positions: the
-        keys rotated by `frame` to their places in the memory's frame (RoPE, `CacheRequest.memory_frame`), else
-        raw; the empty slots (first) hold block 0, masked by the plan. Its `choosing_queries` score the blocks; this
+    def choose(self, query: torch.Tensor, readable: MemoryRead, evidence: Evidence,
+               frame: torch.Tensor | None = None, group: ProcessGroup | None = None) -> Choice:
+        """The n slots' keys and values (B, H, n*block, d) that `readable` says a forward reads (n <= k: the slots
+        some row fills), for a layer's queries (B, Hq, T, d) before positions: the keys rotated by `frame` to their
+        places in the memory's frame (RoPE, `AttentionPlan.memory_frame`), else raw; a row's empty slots (first) hold
+        block 0, masked by the plan. Its `choosing_queries` score the blocks; this
         layer's scores join the forward's `evidence`, which chooses. A forward of one token among the same complete
         blocks as the last choice (a decoding step before the next block completes) reads the blocks chosen then,
         as they were read then (`chosen`): gathered and rotated once per choice, so a decoding step neither
@@ -373,16 +375,17 @@ class BlockMemory:
         Under tensor parallel (`group`) this rank holds some of the layer's heads, and a block's score is a sum over
         all of them: the scores (B, blocks) are summed over the group's ranks before choosing (one all_reduce a
         layer and choice), so every rank chooses what one process would."""
-        blocks = read.candidates.shape[1]
+        blocks = readable.candidates.shape[1]
         chosen = self.chosen
         if query.shape[2] > 1 or chosen is None or blocks != chosen.among:
             choosing = choosing_queries(query.detach(), self.policy.piece, self.block) * self.scaling
-            scores = block_scores(choosing, self.representatives[:, :, :, :blocks], read.candidates)
+            scores = block_scores(choosing, self.representatives[:, :, :, :blocks], readable.candidates)
             if group is not None:
                 dist.all_reduce(scores, group=group)
             total = evidence.add(scores)
-            slots = read.token_valid.shape[1] // self.block
-            picked = choose_blocks(torch.where(read.candidates, total, -torch.inf), slots, self.policy.centre_blocks)
+            slots = readable.token_valid.shape[1] // self.block
+            picked = choose_blocks(torch.where(readable.candidates, total, -torch.inf), slots,
+                                   self.policy.centre_blocks)
             keys = self._blocks(self.keys, picked)
             chosen = Choice(picked, blocks, keys if frame is None else apply_rotary(keys, frame),
                             self._blocks(self.values, picked))

@@ -203,7 +203,7 @@ class LexAttention(nn.Module):
                 key_, value_ = cache.update(key_, value_, self.layer_idx, plan.cache_request)
                 memory = cache.layers[self.layer_idx].memory
                 if memory is not None:  # the blocks past the window this layer's queries choose
-                    recalled = memory.recall(raw_query_, plan.cache_request.memory_frame, self.tensor_parallel_group())
+                    recalled = memory.recall(raw_query_, plan.memory_frame, self.tensor_parallel_group())
             elif cache is not None:  # a transformers cache: every key of the stream
                 key_, value_ = cache.update(key_, value_, self.layer_idx)
             q, k, v, bias = arrange(self, plan, query_, key_, value_, recalled)
@@ -276,8 +276,8 @@ def without_positions(plan: AttentionPlan) -> AttentionPlan:
     dropping those leaves plain attention under the same mask."""
     tile = dataclasses.replace(plan.tile, sink_query_factors=None, sink_key_rotation=None, memory_place=None)
     # (the block memory's keys: raw, and raw when evicted)
-    request = dataclasses.replace(plan.cache_request, sinks_lent=False, memory_frame=None, memory_unrotate=None)
-    return dataclasses.replace(plan, tile=tile, token_factors=None, cache_request=request)
+    request = dataclasses.replace(plan.cache_request, sinks_lent=False, memory_unrotate=None)
+    return dataclasses.replace(plan, tile=tile, token_factors=None, cache_request=request, memory_frame=None)
 
 
 class LexDecoderLayer(GradientCheckpointingLayer):

@@ -294,11 +294,8 @@ class CacheRequest:
     # span's end, where attention writes them (kernels.arrange), so that the span and the blocks are one tensor
     # without copying the span.
     memory_room: int = 0
-    # With a block memory (RoPE; None otherwise and in layers without positions): (1, 1, n * b, d), the rotation of
-    # raw memory keys to their places in the frame (ReadingPolicy.memory_frame: the last n * b of its k * b places,
-    # for the n slots read), applied once per choice, so the memory holds the blocks it read so; and (B, 1, dropped,
-    # d), what undoes the rotation of the keys this forward evicts.
-    memory_frame: torch.Tensor | None = None
+    # With a block memory (RoPE; None otherwise and in layers without positions): (B, 1, dropped, d), what undoes
+    # the rotation of the keys this forward evicts, which the cache hands the memory.
     memory_unrotate: torch.Tensor | None = None
 
 
@@ -316,7 +313,7 @@ class Tile:
     """
 
     factors: tuple[torch.Tensor, torch.Tensor] | None  # of queries and keys in the tile's layout (rotary methods)
-    mask: torch.Tensor | None  # additive (0 = may attend) with any fixed bias folded in; None = plain causal
+    bias: torch.Tensor | None  # additive: the mask (0 = may attend, -inf not) with any fixed bias; None = plain causal
     distance: torch.Tensor | None = None  # query-minus-key position, for biases the layers learn (KERPLE)
     query_slice: slice | None = None
     key_slice: slice | None = None
@@ -350,6 +347,11 @@ class AttentionPlan:
     attention_maps: bool = False  # a dense tile over every key, whose weights are the full attention map
     token_factors: torch.Tensor | None = None  # (B, 1, T, d): per-token encodings (RoPE; positions.encode_tokens)
     cache_request: CacheRequest | None = None  # what every layer hands its cache (set with the tile)
+    # With a block memory (RoPE; None otherwise and in layers without positions): (1, 1, n * b, d), the rotation of
+    # raw memory keys to their places in the frame (ReadingPolicy.memory_frame: the last n * b of its k * b places,
+    # for the n slots read), which each layer hands its memory (`BlockMemory.recall`): applied once per choice, so
+    # the memory holds the blocks it read so.
+    memory_frame: torch.Tensor | None = None
 
 
 def additive_mask(allowed: torch.Tensor | None, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -508,7 +510,7 @@ def _memory_terms(position_method: PositionMethod, terms: tuple, policy: Reading
     places in the frame, ReadingPolicy.memory_frame). Returns (factors, bias, distance, sink_query_factors, memory_place).
 
     A method that is not per token gets their terms in the frame, met by the query's second copy (the sinks' own,
-    or made here). Per-token RoPE: the memory holds its keys at their frame places (`CacheRequest.memory_frame`), and
+    or made here). Per-token RoPE: the memory holds its keys at their frame places (`AttentionPlan.memory_frame`), and
     `memory_place` (B, 1, 1, d) turns them by one shift to where the queries meet them, where the query meets its
     sinks through a second copy shifted into the frame: by `origin` (the position the sinks' frame puts frame place
     0 at: their first position plus S + k * b, or k * b without sinks). One query per row has no second copy (its
@@ -618,7 +620,8 @@ def build_plan(
         tile.sinks_in_slots or tile.sink_columns is None)  # (a decoding step whose keys are the cache's span)
     plan.cache_request = CacheRequest(sinks_lent=tile.sinks_in_slots and tile.sink_key_rotation is not None,
                                       memory_room=tile.n_memory if one_span and not attention_maps else 0,
-                                      memory_frame=frame, memory_unrotate=unrotate)
+                                      memory_unrotate=unrotate)
+    plan.memory_frame = frame
     return plan
 
 

@@ -31,7 +31,7 @@ def test_each_chunk_holds_exactly_the_keys_visible_allows(mode, sinks):
     record = history.begin(positions, valid, False)
     ctx = record.context
     tile = _chunked_tile(policy, position_method(config), ctx, torch.float32, ctx.aligned)
-    allowed = tile.mask[:, 0] == 0  # (B*chunks, b, columns)
+    allowed = tile.bias[:, 0] == 0  # (B*chunks, b, columns)
     chunks = tile.query_slots.shape[0]
     columns = tile.key_columns.expand(2, -1, -1) if tile.key_columns.dim() == 2 else tile.key_columns
     index_of_column = torch.cat([ctx.sink_index, ctx.key_index.expand(2, -1)], dim=1)  # keys the cache returns
