@@ -242,12 +242,6 @@ class LexConfig(PreTrainedConfig):
         super().__post_init__(**kwargs)
 
     @property
-    def bca_block_length(self) -> int:
-        """b = w / 2: blockwise causal attention cuts the stream into blocks of b tokens (a query sees its own
-        block and the previous one)."""
-        return self.attention_window // 2
-
-    @property
     def base_model_tp_plan(self) -> dict[str, str]:
         """Tensor parallel (`from_pretrained(..., tp_plan="auto")` under torchrun), as Llama's: each rank holds the
         rows of its query and key/value heads and of its part of the MLP's width (gated, or TorchScale's fc1/fc2);

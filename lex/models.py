@@ -28,8 +28,8 @@ from transformers.distributed import DistributedConfig
 import modeling_lex  # noqa: F401  (registers the Auto classes)
 from convert.checkpoint import ConversionError
 from convert.hf import SOURCE_TYPES, gguf_config, gguf_file, gguf_tokenizer, lex_from_hf, load_gguf
+from lex_base.errors import LexError
 
-from .data import DataError
 from .quantization import QuantizationError, for_cpu, stored_kind
 from .quantization import quantize as quantize_weights
 
@@ -39,8 +39,14 @@ DTYPES: tuple[str, ...] = get_args(Dtype)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
+class ModelError(LexError):
+    """A model a command cannot load, or cannot read as asked: a folder that is no model (or has no tokenizer where
+    one is needed), reading flags or a tensor-parallel plan its checkpoint cannot take; raised before any weight
+    is loaded or anything written."""
+
+
 def model_config(path: str | Path, what: str, tokenizer: bool = False, gguf: bool = False):
-    """The config of the model folder (or Hub id) `path`, or a DataError naming `what` (the flag or argument)
+    """The config of the model folder (or Hub id) `path`, or a ModelError naming `what` (the flag or argument)
     and the problem: no such folder, a folder without config.json, a config that does not load, and with
     `tokenizer`, a local folder without tokenizer files. With `gguf`, a .gguf file (or a folder of one) gives the
     config it holds, once its architecture is checked. Cheap: no weights are read."""
@@ -49,32 +55,32 @@ def model_config(path: str | Path, what: str, tokenizer: bool = False, gguf: boo
         try:
             return gguf_config(source)
         except ConversionError as error:
-            raise DataError(f"{what} {error}") from None
+            raise ModelError(f"{what} {error}") from None
     folder = Path(path)
     if folder.exists() and not folder.is_dir():
-        raise DataError(f"{what} {path}: a file, not a model folder{' nor a .gguf file' if gguf else ''}")
+        raise ModelError(f"{what} {path}: a file, not a model folder{' nor a .gguf file' if gguf else ''}")
     if folder.is_dir() and not (folder / "config.json").is_file():
-        raise DataError(f"{what} {path}: not a model folder (it has no config.json)"
+        raise ModelError(f"{what} {path}: not a model folder (it has no config.json)"
                         f"{' and holds no .gguf file' if gguf else ''}")
     if not folder.exists() and (folder.is_absolute() or str(path).startswith(".") or str(path).count("/") > 1):
-        raise DataError(f"{what} {path}: no such model folder")
+        raise ModelError(f"{what} {path}: no such model folder")
     try:
         config = AutoConfig.from_pretrained(str(path))
     except (OSError, ValueError) as error:  # a Hub id that cannot be reached, a broken config.json, a bad field
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise DataError(f"{what} {path}: cannot load a model config from it ({first})") from None
+        raise ModelError(f"{what} {path}: cannot load a model config from it ({first})") from None
     if tokenizer and folder.is_dir() and not has_tokenizer(folder):
-        raise DataError(f"{what} {path}: the model folder has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+        raise ModelError(f"{what} {path}: the model folder has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
     return config
 
 
 def source_gguf(path: str | Path, what: str = "MODEL") -> Path | None:
     """The .gguf file `path` names (itself, or a folder's one), None for a model folder or Hub id; a folder with
-    several .gguf files is a DataError naming them."""
+    several .gguf files is a ModelError naming them."""
     try:
         return gguf_file(path)
     except ConversionError as error:
-        raise DataError(f"{what} {error}") from None
+        raise ModelError(f"{what} {error}") from None
 
 
 def load_tokenizer(path: str | Path, what: str = "MODEL"):
@@ -85,7 +91,7 @@ def load_tokenizer(path: str | Path, what: str = "MODEL"):
     try:
         return gguf_tokenizer(gguf)
     except ConversionError as error:
-        raise DataError(f"{what} {error}") from None
+        raise ModelError(f"{what} {error}") from None
 
 
 def attention_modes(config, modes: list[str]) -> tuple[list[str], str | None]:
@@ -129,7 +135,7 @@ def load_model(
     try:
         stored = None if gguf is not None or not Path(path).is_dir() else stored_kind(path)
     except QuantizationError as error:
-        raise DataError(f"MODEL {error}") from None
+        raise ModelError(f"MODEL {error}") from None
     dtype = dtype or "float32"
     if tp_plan is not None:
         check_shardable(path, gguf, attention)
@@ -137,7 +143,7 @@ def load_model(
         try:
             model = load_gguf(gguf, getattr(torch, dtype))
         except ConversionError as error:
-            raise DataError(f"MODEL {error}") from None
+            raise ModelError(f"MODEL {error}") from None
         return quantized(with_attention(model.to(device).eval(), **attention, name=str(path)), quantize, dtype)
     config = model_config(path, "MODEL")
     if config.model_type == "lex":
@@ -146,9 +152,9 @@ def load_model(
             config = AutoConfig.from_pretrained(path, **overrides)
             config.validate()
         except (StrictDataclassError, ValueError) as error:
-            raise DataError(" ".join(str(error).split())) from None
+            raise ModelError(" ".join(str(error).split())) from None
         if stored is not None and quantize not in (None, stored):
-            raise DataError(f"--quantize {quantize}: MODEL {path} is saved with {stored} weights (allowed: "
+            raise ModelError(f"--quantize {quantize}: MODEL {path} is saved with {stored} weights (allowed: "
                             f"{stored}, or no --quantize)")
         model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=getattr(torch, dtype),
                                                      **sharded(tp_plan))
@@ -172,13 +178,13 @@ def check_shardable(path: str, gguf, attention: dict) -> None:
     """What tensor parallel (--tp_plan) cannot take, refused by name before anything loads: a .gguf file, a
     checkpoint converted in memory, and heads that do not divide by the number of processes (WORLD_SIZE)."""
     if gguf is not None:
-        raise DataError(f"--tp_plan with MODEL {path}, a .gguf file: it is dequantized whole in one process; convert "
+        raise ModelError(f"--tp_plan with MODEL {path}, a .gguf file: it is dequantized whole in one process; convert "
                         "it with `lex convert-hf` and shard the folder (allowed: a LEX folder, or a checkpoint folder "
                         "as published)")
     config = model_config(path, "MODEL")
     asked = {key: value for key, value in attention.items() if value is not None}
     if config.model_type != "lex" and asked:
-        raise DataError(f"--tp_plan with a {config.model_type} checkpoint converted in memory "
+        raise ModelError(f"--tp_plan with a {config.model_type} checkpoint converted in memory "
                         f"(--{next(iter(asked))}): convert it once with `lex convert-hf` and shard the LEX folder "
                         "(allowed: a LEX folder, or the checkpoint as published)")
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -186,7 +192,7 @@ def check_shardable(path: str, gguf, attention: dict) -> None:
         config.num_attention_heads
     if heads % world or kv_heads % world:
         allowed = [n for n in range(1, kv_heads + 1) if heads % n == 0 and kv_heads % n == 0]
-        raise DataError(f"--tp_plan over {world} processes: MODEL {path} has {heads} query and {kv_heads} key/value "
+        raise ModelError(f"--tp_plan over {world} processes: MODEL {path} has {heads} query and {kv_heads} key/value "
                         f"heads, which {world} does not divide (allowed numbers of processes: "
                         f"{', '.join(map(str, allowed))})")
 
@@ -199,7 +205,7 @@ def quantized(model, kind: str | None, dtype: Dtype | None = None):
     try:
         return quantize_weights(model, kind, getattr(torch, dtype or "float32"))
     except QuantizationError as error:
-        raise DataError(f"--quantize {kind}: {error}") from None
+        raise ModelError(f"--quantize {kind}: {error}") from None
 
 
 def with_attention(model, attention_mode: str | None = None, attention_window: int | None = None,
@@ -211,14 +217,14 @@ def with_attention(model, attention_mode: str | None = None, attention_window: i
     from `attention_sink_positions`, by default within the cache) and a block memory of
     `attention_memory_blocks` blocks of `attention_memory_block_size` tokens (None: LexConfig's default)."""
     if attention_memory_blocks and attention_mode == "full":
-        raise DataError(f"{name}: attention_memory_blocks={attention_memory_blocks} with attention_mode 'full': full "
+        raise ModelError(f"{name}: attention_memory_blocks={attention_memory_blocks} with attention_mode 'full': full "
                         "attention sees every key, a memory of evicted ones has nothing to add (allowed: "
                         "attention_mode blockwise or sliding, or attention_memory_blocks 0)")
     if (attention_mode in (None, "full") and attention_window is None and not attention_sinks
             and not attention_memory_blocks):
         return model
     if model.config.model_type not in SOURCE_TYPES:
-        raise DataError(f"{name}: a {model.config.model_type!r} model runs as published; attention_mode, "
+        raise ModelError(f"{name}: a {model.config.model_type!r} model runs as published; attention_mode, "
                         f"attention_window, attention_sinks and attention_memory_blocks apply to LEX models and to "
                         f"{', '.join(SOURCE_TYPES)} checkpoints (converted in memory)")
     try:
@@ -226,7 +232,7 @@ def with_attention(model, attention_mode: str | None = None, attention_window: i
                            attention_sink_positions or "cache", attention_memory_blocks=attention_memory_blocks or 0,
                            attention_memory_block_size=attention_memory_block_size).eval()
     except ConversionError as error:
-        raise DataError(f"{name}: {error}") from None
+        raise ModelError(f"{name}: {error}") from None
 
 
 def load_for_training(
@@ -243,7 +249,7 @@ def load_for_training(
     config = model_config(path, "--model_name_or_path", gguf=True)
     if config.model_type not in SOURCE_TYPES:
         if position_embedding_type is not None:
-            raise DataError(f"--position_embedding_type {position_embedding_type}: it converts a "
+            raise ModelError(f"--position_embedding_type {position_embedding_type}: it converts a "
                             f"{', '.join(SOURCE_TYPES)} checkpoint; --model_name_or_path {path} is a "
                             f"{config.model_type!r} model, which keeps its own positions")
         return load_model(path, attention_mode, attention_window=attention_window, attention_sinks=attention_sinks,
@@ -258,7 +264,7 @@ def load_for_training(
                            attention_sink_positions or "cache", position_embedding_type or "rope",
                            attention_memory_blocks or 0, attention_memory_block_size)
     except ConversionError as error:
-        raise DataError(f"--model_name_or_path {path}: {error}") from None
+        raise ModelError(f"--model_name_or_path {path}: {error}") from None
 
 
 def attention_variants(

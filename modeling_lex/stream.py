@@ -109,12 +109,10 @@ class ForwardRecord:
     stream_after: StreamAfter
     # Read by every layer, so fields (set from the context when the record is made), not properties:
     new_tokens: int = field(init=False)  # T
-    sink_slots: int = field(init=False)  # the sink slots in front of the keys the cache returns in this forward
     dropped: int = field(init=False)  # window keys this forward evicts (the oldest after the sink slots)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "new_tokens", self.context.query_index.shape[0])
-        object.__setattr__(self, "sink_slots", self.context.sink_index.shape[1])
         object.__setattr__(self, "dropped", self.context.dropped)
 
 

@@ -479,18 +479,17 @@ def test_eval_length_refuses_a_memory_it_cannot_read_by_name(folder, tmp_path, c
 def test_load_model_takes_the_block_memory_over_a_lex_folder(folder, llama_folder):
     """A LEX folder: the fields over its config; with full attention refused by name. A Llama folder: converted
     in memory when memory is asked for, refused by name in full attention."""
-    from lex.data import DataError
-    from lex.models import load_model
+    from lex.models import ModelError, load_model
 
     model = load_model(str(folder), "sliding", attention_memory_blocks=3, attention_memory_block_size=8)
     assert (model.config.attention_memory_blocks, model.config.attention_memory_block_size) == (3, 8)
     assert load_model(str(folder), "sliding").config.attention_memory_blocks == 0
-    with pytest.raises(DataError, match="attention_memory_blocks=3 with attention_mode='full'"):
+    with pytest.raises(ModelError, match="attention_memory_blocks=3 with attention_mode='full'"):
         load_model(str(folder), "full", attention_memory_blocks=3)
     converted = load_model(str(llama_folder), "blockwise", attention_window=8, attention_memory_blocks=2)
     assert converted.config.model_type == "lex" and converted.config.attention_memory_blocks == 2
     assert converted.config.attention_memory_block_size == LexConfig().attention_memory_block_size
-    with pytest.raises(DataError, match="attention_memory_blocks=2 with attention_mode 'full'"):
+    with pytest.raises(ModelError, match="attention_memory_blocks=2 with attention_mode 'full'"):
         load_model(str(llama_folder), "full", attention_memory_blocks=2)
-    with pytest.raises(DataError, match="attention_memory_blocks=2 with attention_mode='full'"):
+    with pytest.raises(ModelError, match="attention_memory_blocks=2 with attention_mode='full'"):
         load_model(str(llama_folder), attention_memory_blocks=2)

@@ -27,8 +27,7 @@ MODEL_ROOMS = {
 STATEFUL_ROOMS = ("modeling_lex.stream", "modeling_lex.memory", "modeling_lex.cache")
 # The config's reading fields: read by the reading policy alone (ReadingPolicy.of), every other room asks it.
 READING_FIELDS = {"attention_mode", "attention_window", "attention_sinks", "attention_sink_positions",
-                  "attention_memory_blocks", "attention_memory_block_size", "local_attention_window",
-                  "bca_block_length"}
+                  "attention_memory_blocks", "attention_memory_block_size", "local_attention_window"}
 
 
 def module_name(path: Path) -> str:

@@ -16,6 +16,7 @@ from configuration_lex import ATTENTION_MODES, HIDDEN_ACTS, POSITION_EMBEDDING_T
 from modeling_lex import LexForCausalLM
 from modeling_lex.positions import POSITION_METHODS, position_method
 from modeling_lex.kernels import apply_rotary
+from modeling_lex.reading import ReadingPolicy
 from tests import reference
 from tests.helpers import assert_rows_equal_reference, left_pad_mask, packed, perturbed_model, tiny_config
 
@@ -196,7 +197,7 @@ def test_one_layer_window_equals_full_forward_over_visible_keys(mode, kind):
     full.load_state_dict(model.state_dict())
     torch.manual_seed(4)
     ids = torch.randint(0, config.vocab_size, (1, 70))
-    b, w = config.bca_block_length, config.attention_window
+    b, w = ReadingPolicy.of(config).block, config.attention_window
     with torch.no_grad():
         logits = model(ids).logits[0]
         for p in [0, 7, 8, 15, 16, 23, 40, 69]:
@@ -582,7 +583,7 @@ def test_strict_config_accepts_what_the_project_does(tmp_path):
     """Ints for float fields, assignment of non-fields (auto_map, _attn_implementation), overrides on load,
     from_dict / to_dict / save_pretrained round trips; a bad assignment after construction is refused."""
     config = tiny_config(xpos_scale_base=512, hidden_dropout=0, embedding_scale=1, rope_theta=10000)
-    assert config.attention_window == 16 and config.bca_block_length == 8 and config.head_dim == 16
+    assert config.attention_window == 16 and config.head_dim == 16
     config.auto_map = {"AutoConfig": "configuration_lex.LexConfig"}
     config._attn_implementation = "eager"
     config.attention_mode = "sliding"

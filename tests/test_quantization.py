@@ -16,8 +16,7 @@ from torch.profiler import profile
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from lex.cli import main as lex
-from lex.data import DataError
-from lex.models import load_model
+from lex.models import ModelError, load_model
 from lex.quantization import (
     INT4_GROUP_SIZE, Int4Linear, Int8Linear, QuantizationError, quantize, stored_kind, untie, weight_config,
     weights_of,
@@ -238,7 +237,7 @@ def test_convert_hf_quantize_writes_a_folder_that_loads_quantized_in_a_fresh_pro
     loaded = load_model(str(out))
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, expected, atol=0, rtol=0)
-    with pytest.raises(DataError, match=f"saved with {kind} weights"):
+    with pytest.raises(ModelError, match=f"saved with {kind} weights"):
         load_model(str(out), quantize="int8" if kind == "int4" else "int4")
 
 

@@ -9,7 +9,7 @@ The contract every command keeps (lex/cli.py enforces the last point):
    and error messages name a flag as the user typed it (`parser.flag("max_new_tokens")`).
 2. A bad command line (unknown flag, missing argument, a value that does not parse or is out of range) is
    `parser.error("...")`, which raises UsageError. A bad input found later (a file, a folder, a value the
-   library refuses) is a LexError (lex_base/errors.py) from the library: DataError, ConversionError,
+   library refuses) is a LexError (lex_base/errors.py) from the library: DataError, ModelError, ConversionError,
    ExportError. Messages name the flag, file or field and the allowed values.
 3. Every input is checked before anything is written. Folders are written through lex_base.staging
    (`atomic_directory`, `atomic_files`): nothing appears until the block completes, so a command that fails

@@ -39,7 +39,7 @@ from lex.commands import (
 from lex.compiled_decoding import compile_decoding, read_prompt
 from lex.data import DataError, check_text_file
 from lex.document_state import DocumentState, disk_bytes, identity, read_steps
-from lex.models import DTYPES, load_model, load_tokenizer, model_config
+from lex.models import DTYPES, ModelError, load_model, load_tokenizer, model_config
 from lex.quantization import weights_of
 from modeling_lex import LexCache
 from modeling_lex.generation import CACHE_NAME
@@ -122,8 +122,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"{parser.flag('prompt')}: the text is empty")
     config = model_config(args.model, "MODEL", tokenizer=True, gguf=True)
     if config.model_type not in ("lex", *SOURCE_TYPES):
-        raise DataError(f"MODEL {args.model} holds a {config.model_type!r} model; lex generate runs LEX models and "
-                        f"{', '.join(SOURCE_TYPES)} checkpoints")
+        raise ModelError(f"MODEL {args.model} holds a {config.model_type!r} model; lex generate runs LEX models and "
+                         f"{', '.join(SOURCE_TYPES)} checkpoints")
     if args.compile:
         check_compile(parser, args, config)
     if (args.state or args.save_state) and config.model_type != "lex" and args.attention_mode is None:

@@ -22,7 +22,7 @@ from lex.commands import (
     positive_int,
 )
 from lex.data import DataError
-from lex.models import DTYPES, load_model, load_tokenizer, model_config
+from lex.models import DTYPES, ModelError, load_model, load_tokenizer, model_config
 
 
 def build_parser() -> LexArgumentParser:
@@ -81,8 +81,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      f"{parser.flag('max_new_tokens_limit')} {args.max_new_tokens_limit}")
     config = model_config(args.model, "MODEL", tokenizer=True, gguf=True)
     if config.model_type not in ("lex", *SOURCE_TYPES):
-        raise DataError(f"MODEL {args.model} holds a {config.model_type!r} model; lex serve runs LEX models and "
-                        f"{', '.join(SOURCE_TYPES)} checkpoints")
+        raise ModelError(f"MODEL {args.model} holds a {config.model_type!r} model; lex serve runs LEX models and "
+                         f"{', '.join(SOURCE_TYPES)} checkpoints")
     if config.model_type != "lex" and args.attention_mode is None:
         args.attention_mode = "full"  # as published, read through LEX's caches
     return args
