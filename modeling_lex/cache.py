@@ -41,7 +41,7 @@ from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer
 from .generation import init_cache_layers
 from .memory import BlockMemory, Evicted, OpenStep
 from .reading import CacheRequest, ReadingPolicy
-from .stream import ForwardRecord, Stream, _mark_static
+from .stream import ForwardRecord, Stream, mark_static
 
 
 def _gather_columns(x: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
@@ -478,8 +478,8 @@ class LexStaticLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         shape = key_states.shape[:2] + (self.sink_slots + self.window_slots, key_states.shape[-1])
-        self.keys = _mark_static(torch.zeros(shape, dtype=self.dtype, device=self.device))
-        self.values = _mark_static(torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self.keys = mark_static(torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self.values = mark_static(torch.zeros(shape, dtype=self.dtype, device=self.device))
         self.is_initialized = True
 
     def update(

@@ -9,7 +9,6 @@ does for any mask it is given (transformers 5.23-5.25); the numbers are the same
 
 import torch
 from torch import nn
-from transformers.integrations.sdpa_attention import repeat_kv
 
 from .reading import AttentionPlan, Tile, additive_mask
 
@@ -46,6 +45,16 @@ def encode_tokens(query: torch.Tensor, key: torch.Tensor, factors: torch.Tensor 
     if factors is None:
         return query, key
     return apply_rotary(query, factors), apply_rotary(key, factors)
+
+
+def repeat_kv(hidden_states: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, Hkv, K, d) -> (B, Hkv * groups, K, d): each key/value head once for each query head of its group, as
+    Llama's eager attention repeats them."""
+    if groups == 1:
+        return hidden_states
+    batch, heads, length, width = hidden_states.shape
+    return hidden_states[:, :, None].expand(batch, heads, groups, length, width).reshape(batch, heads * groups,
+                                                                                         length, width)
 
 
 def eager_attention_forward(

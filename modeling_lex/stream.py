@@ -198,7 +198,7 @@ class Stream:
         if self.static:
             self.seen = self.seen.to(device)
             for tensor in self._row_tensors() + [self.index, self.seen]:
-                _mark_static(tensor)
+                mark_static(tensor)
 
     def _row_tensors(self) -> list[torch.Tensor]:
         """Every tensor with one row per batch row."""
@@ -422,8 +422,10 @@ class Stream:
 
 
 
-def _mark_static(tensor: torch.Tensor) -> torch.Tensor:
-    """Tell dynamo a buffer keeps its address, so compiled steps (and CUDA graphs) write into it in place."""
+def mark_static(tensor: torch.Tensor) -> torch.Tensor:
+    """Tell dynamo a buffer keeps its address, so compiled steps (and CUDA graphs) write into it in place. The one
+    use of a torch internal (`torch._dynamo.mark_static_address`, torch 2.13-2.14, as transformers' StaticCache
+    uses it): torch has no public spelling of it."""
     if not torch.compiler.is_compiling():
         torch._dynamo.mark_static_address(tensor)
     return tensor
@@ -535,4 +537,4 @@ def _custom_mask_record(
     return replace(record, context=context)
 
 
-__all__ = ["ForwardRecord", "Stream", "StreamAfter", "StreamState", "begin_forward"]
+__all__ = ["ForwardRecord", "Stream", "StreamAfter", "StreamState", "begin_forward", "mark_static"]
