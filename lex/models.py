@@ -45,6 +45,20 @@ class ModelError(LexError):
     is loaded or anything written."""
 
 
+def reading_settings(config) -> str:
+    """How a model reads, in the one phrase every command prints: a LEX config's attention mode, window, sinks
+    (with their position rule) and block memory; any other config as published."""
+    if config.model_type != "lex":
+        return f"{config.model_type} as published (full attention)"
+    text = f"{config.attention_mode} attention, window {config.attention_window}"
+    if config.attention_mode != "full" and config.attention_sinks:
+        text += f", {config.attention_sinks} attention sinks at {config.attention_sink_positions} positions"
+    if config.attention_memory_blocks:
+        text += (f", a memory of {config.attention_memory_blocks} blocks of {config.attention_memory_block_size} "
+                 "tokens")
+    return text
+
+
 def model_config(path: str | Path, what: str, tokenizer: bool = False, gguf: bool = False):
     """The config of the model folder (or Hub id) `path`, or a ModelError naming `what` (the flag or argument)
     and the problem: no such folder, a folder without config.json, a config that does not load, and with

@@ -8,7 +8,7 @@ import torch
 from convert import hf
 from lex.commands import LexArgumentParser, add_quantize_argument, add_reading_arguments, check_reading_arguments
 from lex.model_card import write_conversion_card
-from lex.models import DTYPES
+from lex.models import DTYPES, reading_settings
 from lex.quantization import quantize_folder
 from lex_base.errors import OutputExistsError
 
@@ -49,13 +49,10 @@ def main_convert_hf(argv: list[str] | None = None) -> int:
                                    args.dtype, **convert, card=write_conversion_card)
             dtype = getattr(torch, args.dtype or "bfloat16")
             quantize_folder(Path(scratch) / "lex", args.out, args.quantize, dtype, args.force)
-    memory = (f", a memory of {config.attention_memory_blocks} blocks of {config.attention_memory_block_size} tokens"
-              if config.attention_memory_blocks else "")
     print(f"{args.src} -> {args.out}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
           f"{config.num_attention_heads} heads / {config.num_key_value_heads} key-value heads, "
           f"{config.position_embedding_type} (rope_type {config.rope_parameters['rope_type']}), "
-          f"{config.attention_mode} attention (window {config.attention_window}, {config.attention_sinks} sinks at "
-          f"{config.attention_sink_positions} positions{memory})" + local_layers(config)
+          f"{reading_settings(config)}" + local_layers(config)
           + (f"; {args.quantize} weights" if args.quantize else ""))
     return 0
 

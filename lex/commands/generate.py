@@ -39,7 +39,7 @@ from lex.commands import (
 from lex.compiled_decoding import compile_decoding, read_prompt
 from lex.data import DataError, check_text_file
 from lex.document_state import DocumentState, disk_bytes, identity, read_steps
-from lex.models import DTYPES, ModelError, load_model, load_tokenizer, model_config
+from lex.models import DTYPES, ModelError, load_model, load_tokenizer, model_config, reading_settings
 from lex.quantization import weights_of
 from modeling_lex import LexCache
 from modeling_lex.generation import CACHE_NAME
@@ -252,15 +252,9 @@ def main(argv: list[str] | None = None) -> int:
         source = args.prompt_file if args.prompt_file is not None else "--prompt"
         raise DataError(f"{source} holds no tokens of the model's tokenizer")
     config = model.config
-    if config.model_type == "lex":
-        sinks = (f", {config.attention_sinks} attention sinks at {config.attention_sink_positions} positions"
-                 if config.attention_mode != "full" and config.attention_sinks else "")
-        memory = (f", a memory of {config.attention_memory_blocks} blocks of {config.attention_memory_block_size} "
-                  f"tokens" if config.attention_memory_blocks else "")
-        reading = f"{config.attention_mode} attention, window {config.attention_window}{sinks}{memory}"
-    else:
-        reading = (f"{config.model_type} as published (its cache grows with the document; --attention_mode "
-                   "sliding or blockwise bounds it)")
+    reading = reading_settings(config)
+    if config.model_type != "lex":
+        reading += "; its cache grows with the document (--attention_mode sliding or blockwise bounds it)"
     weights = weights_of(model) if getattr(config, "quantization_config", None) is not None else None
     weights = f"; {weights} weights, {model.dtype} activations" if weights else ""
     after = "" if state is None else f" after the {state.tokens.shape[0]} of the state in {args.state}"

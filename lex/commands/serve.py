@@ -22,7 +22,7 @@ from lex.commands import (
     positive_int,
 )
 from lex.data import DataError
-from lex.models import DTYPES, ModelError, load_model, load_tokenizer, model_config
+from lex.models import DTYPES, ModelError, load_model, load_tokenizer, model_config, reading_settings
 
 
 def build_parser() -> LexArgumentParser:
@@ -111,9 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(model, tokenizer, args.max_batch_size, states)
     limits = Limits(max_new_tokens=args.max_new_tokens_limit, max_prompt_tokens=args.max_prompt_tokens,
                     default_max_tokens=args.default_max_tokens)
-    print(f"lex serve: {args.model} ({config.attention_mode} attention, window {config.attention_window}, "
-          f"{config.attention_sinks} sinks, memory of {config.attention_memory_blocks} blocks; {torch.get_num_threads()} "
-          f"threads) on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    print(f"lex serve: {args.model} ({reading_settings(config)}; {torch.get_num_threads()} threads) on "
+          f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     try:
         uvicorn.run(build_app(engine, args.model, limits), host=args.host, port=args.port, log_level="warning")
     finally:
