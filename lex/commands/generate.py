@@ -222,14 +222,12 @@ def read_and_save(model, input_ids: torch.Tensor, state: DocumentState | None, a
 @torch.no_grad()
 def read_into_memory(model, input_ids: torch.Tensor, memory_directory: Path | None, enabled: bool) -> LexCache:
     """A LexCache (its block memory in RAM, or memory-mapped in `memory_directory`) that has read all but the last
-    token of `input_ids` in the forwards the model's own long forward runs (`reading_spans`), under a bar whose
-    postfix is the store's size."""
+    token of `input_ids` in the forwards the model's own long forward runs (`read_steps`, stopped before its last:
+    the last token alone, which generate() reads), under a bar whose postfix is the store's size."""
     cache = LexCache(model.config, None if memory_directory is None else str(memory_directory))
-    cache.reserve_memory(input_ids.shape[1])  # (the store sized once, not by doublings)
-    spans = model.reading_spans(input_ids.shape[1])[:-1]  # (the last: the last token alone, which generate() reads)
+    spans = model.reading_spans(input_ids.shape[1])[:-1]
     with tqdm(total=input_ids.shape[1] - 1, desc="prompt", unit="tok", disable=not enabled, file=sys.stderr) as bar:
-        for start, stop in spans:
-            model.model(input_ids=input_ids[:, start:stop], cache=cache, use_cache=True, in_spans=False)
+        for (start, stop), _ in zip(spans, read_steps(model, cache, input_ids)):  # (zip asks no step past the spans)
             bar.set_postfix_str(f"memory {cache.memory_bytes / 1e6:.1f} MB", refresh=False)
             bar.update(stop - start)
     return cache
