@@ -382,3 +382,36 @@ def test_the_answer_is_detokenized_as_a_whole_decode_writes_it():
         whole = tokenizer.decode(ids[:count], skip_special_tokens=True)
         assert whole.startswith(request.text) and "\ufffd" not in request.text
     assert request.text == tokenizer.decode(ids, skip_special_tokens=True) == text
+
+
+@pytest.mark.parametrize("reading", READINGS)
+def test_a_turn_of_the_engine_reads_prompts_up_to_a_window_of_tokens(reading):
+    """Each turn reads prompt forwards, oldest prompt first, until it has read w tokens (never a forward split), so
+    prompts sent together are read in about (their tokens / w) turns, not one forward a turn: with the memory a
+    prompt's last window is read in pieces, and its requests would otherwise start decoding far apart. Every prompt
+    ends read as a lone generate() reads it: its next token is the one generate() chooses."""
+    from lex.serving.engine import Engine, Request, Sampling
+
+    model = perturbed_model(tiny_config(**READINGS[reading])).eval()
+    model.generation_config.eos_token_id = None
+    tokenizer, _ = word_tokenizer()
+    window = model.config.attention_window
+    engine = Engine(model, tokenizer, progress=False)
+    prompts = [[(7 * i + j) % 90 + 1 for j in range(length)] for i, length in enumerate((29, 13, 41, 3))]
+    requests = [Request(str(i), prompt, [len(prompt)], Sampling(max_tokens=1, temperature=0), lambda event: None)
+                for i, prompt in enumerate(prompts)]
+    for request in requests:
+        engine._start(request)
+    forwards = {len(prompt): len(model.reading_spans(len(prompt))) for prompt in prompts}
+    turns = []
+    with torch.no_grad():
+        while engine.reading:
+            before = sum(request.cache.seen for request in requests)
+            engine._read_prompts(window)
+            turns.append(sum(request.cache.seen for request in requests) - before)
+    assert sum(turns) == sum(map(len, prompts)) and all(read >= window for read in turns[:-1])
+    assert all(read < 2 * window for read in turns)  # (no forward reads more than w)
+    assert len(turns) < sum(forwards.values())  # fewer turns than forwards: several forwards a turn
+    for request, prompt in zip(requests, prompts):
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=1, do_sample=False, pad_token_id=0)
+        assert request.generated == expected[0, len(prompt):].tolist()
