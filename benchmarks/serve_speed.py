@@ -140,6 +140,7 @@ def concurrency(args, tokenizer) -> dict:
             after = server.health()
             tokens = after["decoded_tokens"] - before["decoded_tokens"]
             seconds = after["decoding_seconds"] - before["decoding_seconds"]
+            steps = after["decoding_steps"] - before["decoding_steps"]
             spans = sorted((r["stamps"][0], r["stamps"][-1]) for r in results)
             covered, end = 0.0, float("-inf")
             for first, last in spans:  # the union of the clients' decoding intervals
@@ -150,7 +151,8 @@ def concurrency(args, tokenizer) -> dict:
             first_token = [r["stamps"][0] - r["sent"] for r in results]
             rows[label] = {
                 "engine decoding tokens/s": tokens / seconds, "client decoding tokens/s": new / covered,
-                "largest batch": after["largest_batch"], "new tokens": new, "wall s": wall,
+                "largest batch": after["largest_batch"], "mean batch": tokens / steps,
+                "seconds a step": seconds / steps, "new tokens": new, "wall s": wall,
                 "latency p50 s": percentile(latency, 0.5), "latency p95 s": percentile(latency, 0.95),
                 "first token p50 s": percentile(first_token, 0.5),
                 "prompt tokens": [r["usage"].prompt_tokens for r in results],
@@ -168,7 +170,8 @@ def concurrency(args, tokenizer) -> dict:
               f"{row['latency p50 s']:.1f} s | {row['latency p95 s']:.1f} s | {row['first token p50 s']:.1f} s |")
     print(f"ratio (concurrency {args.clients} / 1): engine {many['engine decoding tokens/s'] / one['engine decoding tokens/s']:.2f}x, "
           f"client {many['client decoding tokens/s'] / one['client decoding tokens/s']:.2f}x; "
-          f"largest batch {many['largest batch']}; {same} of {len(prompts)} answers the same at both")
+          f"largest batch {many['largest batch']}, mean {many['mean batch']:.2f}; a step {one['seconds a step'] * 1000:.0f} "
+          f"ms at concurrency 1, {many['seconds a step'] * 1000:.0f} ms at {args.clients}; {same} of {len(prompts)} answers the same at both")
     for row in rows.values():
         row.pop("texts")
     return {"concurrency": rows, "same answers": same}

@@ -13,6 +13,17 @@ from torch import nn
 from .reading import AttentionPlan, Tile, additive_mask
 
 
+COMPLEX = {torch.float32: torch.complex64, torch.float64: torch.complex128, torch.float16: torch.complex32}
+
+
+def _as_complex(pairs: torch.Tensor) -> torch.Tensor:
+    """(..., 2n) of interleaved pairs -> (..., n) complex, a view: `Tensor.view(dtype)` (one call) where no
+    gradient flows through it, `view_as_complex` (which autograd records) where one does."""
+    if pairs.requires_grad:
+        return torch.view_as_complex(pairs.unflatten(-1, (-1, 2)))
+    return pairs.view(COMPLEX[pairs.dtype])
+
+
 def apply_rotary(x: torch.Tensor, factors: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., head_dim) with each interleaved pair (x0, x1), read as the complex number x0 + i x1, multiplied by
     its factor from `rotary_factors`: TorchScale's rotation (x0 cos - x1 sin, x1 cos + x0 sin) and scale, taken in
@@ -20,17 +31,16 @@ def apply_rotary(x: torch.Tensor, factors: torch.Tensor, out: torch.Tensor | Non
     reading and writing all of it; compiled, in the real form, which inductor fuses into one kernel (it generates
     no code for complex numbers, torch 2.13). `out` (no autograd): the product is written there (it may be x),
     where a caller's buffer is its place: in float32 eager, with no copy of it."""
-    pairs, f = x.float().unflatten(-1, (-1, 2)), factors.unflatten(-1, (-1, 2))
     if torch.compiler.is_compiling():
+        pairs, f = x.float().unflatten(-1, (-1, 2)), factors.unflatten(-1, (-1, 2))
         x0, x1, cos, sin = pairs[..., 0], pairs[..., 1], f[..., 0], f[..., 1]
-        product = torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1)
+        result = torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1).flatten(-2).to(x.dtype)
     elif out is not None and out.dtype == torch.float32:
-        torch.mul(torch.view_as_complex(pairs), torch.view_as_complex(f),
-                  out=torch.view_as_complex(out.unflatten(-1, (-1, 2))))
+        torch.mul(_as_complex(x.float()), _as_complex(factors), out=_as_complex(out))
         return out
     else:
-        product = torch.view_as_real(torch.view_as_complex(pairs) * torch.view_as_complex(f))
-    result = product.flatten(-2).to(x.dtype)
+        product = _as_complex(x.float()) * _as_complex(factors)
+        result = torch.view_as_real(product).flatten(-2).to(x.dtype)
     if out is not None:
         out.copy_(result)
         return out

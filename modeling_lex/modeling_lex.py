@@ -195,9 +195,13 @@ class LexAttention(nn.Module):
         factors = [row_plan.token_factors for row_plan, _ in rows]  # (all None or none: one method, one kind)
         query, key = encode_tokens(query, key, factors[0] if len(rows) == 1 or factors[0] is None
                                    else torch.cat(factors))
+        # Maps come from the eager computation, whatever the backend; so do capped scores (SDPA cannot cap them).
+        implementation = ("eager" if rows[0][0].attention_maps or self.softcap is not None
+                          else self.config._attn_implementation)
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
         outputs = []
-        for first, (plan, cache) in zip(range(0, batch, width), rows):
-            query_, key_, value_, raw_query_ = (x[first : first + width] for x in (query, key, value, raw_query))
+        for (plan, cache), query_, key_, value_, raw_query_ in zip(
+                rows, *(x.split(width) for x in (query, key, value, raw_query))):
             recalled = None
             if isinstance(cache, LexCacheSteps):
                 key_, value_ = cache.update(key_, value_, self.layer_idx, plan.cache_request)
@@ -207,11 +211,6 @@ class LexAttention(nn.Module):
             elif cache is not None:  # a transformers cache: every key of the stream
                 key_, value_ = cache.update(key_, value_, self.layer_idx)
             q, k, v, bias = arrange(self, plan, query_, key_, value_, recalled)
-            # Maps come from the eager computation, whatever the backend; so do capped scores (SDPA cannot cap them).
-            implementation = ("eager" if plan.attention_maps or self.softcap is not None
-                              else self.config._attn_implementation)
-            attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation,
-                                                                                  eager_attention_forward)
             output, weights = attention_interface(
                 self, q, k, v, None, dropout=self.config.attention_dropout if self.training else 0.0,
                 scaling=self.scaling, position_bias=bias, is_causal=bias is None, softcap=self.softcap, **kwargs,

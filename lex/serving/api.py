@@ -108,7 +108,8 @@ def build_app(engine: Engine, model_name: str, limits: Limits) -> FastAPI:
         """Liveness, and what the engine is doing: requests in flight, the largest batch a step has decoded, the
         tokens decoding steps have made and the seconds they took."""
         return {"status": "ok", "in_flight": engine.in_flight, "largest_batch": engine.largest_batch,
-                "decoded_tokens": engine.decoded_tokens, "decoding_seconds": engine.decoding_seconds}
+                "decoded_tokens": engine.decoded_tokens, "decoding_steps": engine.decoding_steps,
+                "decoding_seconds": engine.decoding_seconds}
 
     async def parse(request: Request, schema: type[Common]) -> Common:
         raw = await request.body()

@@ -98,6 +98,7 @@ class Engine:
         self.running = True
         self.largest_batch = 0  # the most requests one decoding step has served (GET /health)
         self.decoded_tokens, self.decoding_seconds = 0, 0.0  # by decoding steps, and the time they took
+        self.decoding_steps = 0  # batched decoding steps run (decoded_tokens / decoding_steps: the mean batch)
         self.thread = threading.Thread(target=self._loop, name="lex-serve-engine", daemon=True)
 
     def start(self) -> None:
@@ -215,6 +216,7 @@ class Engine:
                 self._decode_step_alone(request)
             return
         self.decoded_tokens += len(batch)
+        self.decoding_steps += 1
         self.decoding_seconds += time.perf_counter() - began
         for request, row in zip(batch, logits):
             if not self._append(request, row):
