@@ -552,7 +552,7 @@ class LexStaticCache(LexCacheSteps, StaticCache):
             window_slots = max_cache_len
         else:
             # (local layers read their own window from the same slots: the wider of the two)
-            window_slots = max(policy.window, policy.local_window or 0) - 1
+            window_slots = max(policy.most_reach, policy.local().most_reach if policy.local_window else 0)
             if max_cache_len is not None and max_cache_len <= sink_slots + window_slots:
                 window_slots, sink_slots = max_cache_len, 0
         init_cache_layers(self, [LexStaticLayer(window_slots, sink_slots) for _ in range(config.num_hidden_layers)])

@@ -74,6 +74,7 @@ class ReadingPolicy:
     piece: int = field(init=False)  # p = max(b_m, w / piece_divisor)
     representatives: int = field(init=False)  # per memory block and key/value head: b_m / representative_divisor, >= 1
     centre_blocks: int = field(init=False)  # blocks chosen with their neighbours: floor(k / centre_divisor)
+    most_reach: int = field(init=False)  # the most keys before a query its window shows: what a cache keeps
 
     def __post_init__(self) -> None:
         if self.mode not in ATTENTION_MODES:
@@ -98,6 +99,8 @@ class ReadingPolicy:
                    "centre_blocks": self.memory_blocks // self.centre_divisor}
         for name, value in derived.items():
             object.__setattr__(self, name, value)
+        # (a block's last query reaches furthest back; past the document's first window: `window_reach`)
+        object.__setattr__(self, "most_reach", self.window_reach(self.window + self.block - 1))
 
     @classmethod
     def _cached(cls, *fields) -> "ReadingPolicy":
@@ -120,16 +123,24 @@ class ReadingPolicy:
 
     # ------------------------------------------------------------------------------------------ who sees whom
 
+    def window_reach(self, offset: int | torch.Tensor) -> int | torch.Tensor:
+        """The window rule, stated here alone: how many keys before a query its window shows, for queries `offset`
+        tokens into their document (not cut at the document's start): sliding w - 1; blockwise its own block's keys
+        before it and the last block, b + offset mod b; full every one, offset. Who sees whom, the first key of a
+        window, what a cache keeps for the next query (`most_reach`), the static cache's slots and a chunk's reach
+        all ask it."""
+        if self.mode == "sliding":
+            return 0 * offset + self.window - 1
+        if self.mode == "blockwise":
+            return self.block + offset % self.block
+        return offset
+
     def visible(self, q_index: torch.Tensor, k_index: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
         """Whether the query at stream index q_index sees the key at k_index through its window (shapes broadcast):
-        causal, inside the query's document (which starts at `start`), and inside the mode's window."""
+        causal, inside the query's document (which starts at `start`), and from its window's first key on."""
         allowed = (k_index <= q_index) & (k_index >= start)
-        if self.mode == "sliding":
-            allowed = allowed & (k_index > q_index - self.window)  # (no (T, K) difference of indices)
-        elif self.mode == "blockwise":
-            q_block = torch.div(q_index - start, self.block, rounding_mode="floor")
-            k_block = torch.div(k_index - start, self.block, rounding_mode="floor")
-            allowed = allowed & (k_block >= q_block - 1)
+        if self.mode != "full":  # (full: the document's start is the window's)
+            allowed = allowed & (k_index >= self.window_first(q_index, start))  # (no (T, K) difference of indices)
         return allowed
 
     def seen_as_sink(self, q_index: torch.Tensor, k_index: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
@@ -139,14 +150,9 @@ class ReadingPolicy:
         return first & ~self.visible(q_index, k_index, start)
 
     def window_first(self, q_index: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-        """Stream index of the first key the query's window shows (shapes broadcast)."""
-        if self.mode == "sliding":
-            first = q_index - self.window + 1
-        elif self.mode == "blockwise":
-            first = start + (torch.div(q_index - start, self.block, rounding_mode="floor") - 1) * self.block
-        else:
-            first = start
-        return torch.maximum(first, start)
+        """Stream index of the first key the query's window shows (shapes broadcast): `window_reach` keys before
+        it, not before its document's start."""
+        return torch.maximum(q_index - self.window_reach(q_index - start), start)
 
     def memory_frame(self, q_index: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Where a query sees the block memory from: in a frame where its window starts at 0, the memory's k * b_m
@@ -172,15 +178,15 @@ class ReadingPolicy:
 
     def keep_from(self, first_query: int, start: torch.Tensor | None) -> int:
         """The stream index of the first key that queries from stream index `first_query` on may see, over rows
-        whose documents start at `start` (B,) (None: the sliding rule's, a superset of blockwise's, which reads no
-        tensor on the host); local layers (`local_window`) read their own window from the same keys."""
-        if self.mode == "sliding" or start is None:
-            first = first_query - (self.window - 1)
+        whose documents start at `start` (B,) (None: the most any query reaches back, `most_reach`, which reads no
+        tensor on the host): the first query's window reaches furthest back (`window_reach`, not cut at the
+        document's start); local layers (`local_window`) read their own window from the same keys."""
+        if start is None:
+            first = first_query - self.most_reach
         else:
-            block = self.block
-            first = int((start + torch.div(first_query - start, block, rounding_mode="floor") * block - block).min())
+            first = int((first_query - self.window_reach(first_query - start)).min())
         if self.local_window is not None:
-            first = min(first, first_query - (self.local_window - 1))
+            first = min(first, first_query - self.local().most_reach)
         return first
 
     # ------------------------------------------------------------------------------------------ forwards of an input
@@ -554,7 +560,8 @@ def _chunked_tile(
     columns), as one batched call."""
     total, n_keys = ctx.query_positions.shape[1], ctx.key_positions.shape[1]
     block = policy.block
-    left = block if aligned and policy.mode == "blockwise" else policy.window - 1
+    # (an aligned chunk starts a block: its first query reaches as one at its document's start does)
+    left = policy.window_reach(0) if aligned else policy.most_reach
     query_slots, key_slots, exists = chunk_map(total, n_keys, block, left, ctx.query_positions.device)
 
     q_pos = ctx.query_positions[:, query_slots]  # (B, chunks, b)
@@ -610,7 +617,8 @@ def build_plan(
     if position_method.per_token:
         plan.token_factors = position_method.token_factors(ctx.query_positions).unsqueeze(1)
     if total <= policy.window or attention_maps or ctx.allowed is not None or policy.mode == "full":
-        plain = ctx.plain and not attention_maps
+        # (from a document's start, a window hides nothing from its first most_reach + 1 queries: `window_reach`)
+        plain = ctx.plain and not attention_maps and (policy.mode == "full" or total <= policy.most_reach + 1)
         plan.tile = _dense_tile(policy, position_method, ctx, slice(0, total), slice(0, n_keys), dtype, plain, memory)
     else:
         plan.tile = _chunked_tile(policy, position_method, ctx, dtype, ctx.aligned)

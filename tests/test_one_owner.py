@@ -1,0 +1,77 @@
+"""Each reading rule is written in one place and every consumer asks it: a rule changed there (monkeypatched) is
+followed by the tile, the caches, the stream and generate(), and the model equals the float64 reference built with
+the same change (tests/reference.py states the rules on its own). A consumer that restates a rule instead of
+asking its owner keeps the old rule and fails here."""
+
+import copy
+
+import pytest
+import torch
+
+from modeling_lex import LexCache, LexStaticCache
+from modeling_lex import reading
+from modeling_lex.reading import ReadingPolicy
+from tests import reference
+from tests.helpers import PAD, W, perturbed_model, prompt, tiny_config
+
+@pytest.fixture(params=[-1, 1], ids=["one key narrower", "one key wider"])
+def changed_window(monkeypatch, request) -> int:
+    """`ReadingPolicy.window_reach` changed in its one place: a sliding window one key narrower or wider than its
+    own rule (w - 1 keys before a query); the keys it now shows before a query. Policies made before are dropped,
+    and again after the test."""
+    own = ReadingPolicy.window_reach
+    reach = W - 1 + request.param
+
+    def changed(self, offset):
+        return 0 * offset + self.window - 1 + request.param if self.mode == "sliding" else own(self, offset)
+
+    monkeypatch.setattr(ReadingPolicy, "window_reach", changed)
+    reading._policy.cache_clear()
+    yield reach
+    reading._policy.cache_clear()
+
+
+def reference_config(config, window: int):
+    """The config the reference reads, its own window rule changed the same way (the reference's sliding window
+    shows window - 1 keys before a query)."""
+    changed = copy.deepcopy(config)
+    object.__setattr__(changed, "attention_window", window)
+    return changed
+
+
+def reference_greedy(model, config, ids: torch.Tensor, new: int) -> list[int]:
+    tokens = ids[0].tolist()
+    for _ in range(new):
+        logits = reference.forward(model.state_dict(), config, torch.tensor(tokens))
+        tokens.append(int(logits[-1].argmax()))
+    return tokens[ids.shape[1] :]
+
+
+@pytest.mark.parametrize("sinks,positions", [(0, "true"), (2, "true"), (2, "cache")])
+def test_a_changed_window_rule_is_followed_everywhere(changed_window, sinks, positions):
+    config = tiny_config(attention_mode="sliding", attention_sinks=sinks, attention_sink_positions=positions,
+                         num_attention_heads=4)
+    model = perturbed_model(config)
+    reach = changed_window
+    changed = reference_config(config, reach + 1)
+    assert model.model.policy.most_reach == reach
+    ids = prompt(1, 3 * W + 5)
+    with torch.no_grad():
+        # the tile: one forward of the whole input (its chunks reaching as far back as the rule says)
+        logits = model(ids).logits[0]
+        torch.testing.assert_close(logits.double(), reference.forward(model.state_dict(), changed, ids[0]),
+                                   atol=1e-5, rtol=1e-5)
+        # what a LexCache keeps: the window part holds the keys the next query sees, after the sink slots
+        cache = LexCache(config)
+        stepped = torch.cat([model(ids[:, :W], cache=cache).logits]
+                            + [model(ids[:, i : i + 1], cache=cache).logits for i in range(W, ids.shape[1])], 1)
+        assert cache.layers[0].keys.shape[2] == sinks + reach
+        torch.testing.assert_close(stepped[0], logits, atol=1e-5, rtol=1e-5)
+    # the static cache's slots
+    assert LexStaticCache(config).window_slots == reach
+    # generate(), with LexCache and with the static cache, past several windows
+    expected = reference_greedy(model, changed, ids, 6)
+    for implementation in (None, "static"):
+        out = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=PAD,
+                             cache_implementation=implementation)
+        assert out[0, ids.shape[1] :].tolist() == expected, implementation
