@@ -164,15 +164,16 @@ class ReadingPolicy:
         """The sink position rule: where a query sees its sinks from.
 
         "true": at their own positions (None: no frame of their own). "cache" (StreamingLLM): in a frame where the
-        query's window starts at 0, sink j sits at j - S, just before it (before the block memory's k * b_m places,
-        if any: at j - S - k * b_m), and the query at its offset in its window: returns the query's place (the shape
+        query's window starts at 0, sink j sits at j - S, just before it (just before the block memory's k * b_m
+        places, if any, `memory_frame`: at j - S - k * b_m), and the query at its offset in its window: returns the query's place (the shape
         of q_index and start broadcast) and the sinks' places (S,), so sink j is seen at distance offset + S - j
         (+ k * b_m), never more than S + k * b_m + w.
         """
         if self.sink_positions == "true":
             return None
         query, memory = self.memory_frame(q_index, start)
-        return query, torch.arange(-self.sinks, 0, device=q_index.device) - memory.shape[0]
+        before = memory[0] if self.memory_tokens else 0  # (just before the memory's first place, where it has one)
+        return query, torch.arange(-self.sinks, 0, device=q_index.device) + before
 
     # ------------------------------------------------------------------------------------------ what a cache keeps
 

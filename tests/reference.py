@@ -322,7 +322,7 @@ def chosen_blocks(summed: dict[int, float], slots: int) -> list[int]:
     return [j for run in runs for j in run]
 
 
-def memory_forward(state, config, input_ids, forwards, margins=None):
+def memory_forward(state, config, input_ids, forwards, margins=None, gap=0):
     """Logits (n, vocab) of one row (one document from position 0, no padding) read as `forwards` (token counts,
     in order) through a cache with the block memory past the window (attention_memory_blocks = k, blocks of
     b = attention_memory_block_size) and S sinks at cache positions; the retrieval rule written out naively.
@@ -342,7 +342,8 @@ def memory_forward(state, config, input_ids, forwards, margins=None):
     is seen at distance (query - its window's first token) + k*b - (s*b + t), sink j at (query - window's first) +
     k*b + S - j. Supports xpos, rope, decay, alibi, none. `margins`: a list that receives, per forward and layer
     that chose among more than k blocks, the gap between the (k // 3)-th best score (k < 3: the best) and the next
-    (a float32 model may choose otherwise where it is tiny).
+    (a float32 model may choose otherwise where it is tiny). `gap`: the memory's slots and the sinks before them sit
+    that many places further from the window (every distance above plus `gap`).
 
     Gemma's architecture too: local layers (`local_layers`) slide over their own window with their own rope, see no
     sinks and no memory and add no score; scores are scaled by `attention_scaling` (the block scores too) and capped
@@ -401,8 +402,8 @@ def memory_forward(state, config, input_ids, forwards, margins=None):
                 kv = head // group
                 seen = [(j, i - j) for j in range(first, i + 1)]  # (key, distance)
                 if not local:
-                    seen += [(j, offset + memory_places + sinks - j) for j in range(min(sinks, first))]
-                    seen += [(j, offset + memory_places - place) for j, place in memory]
+                    seen += [(j, offset + memory_places + gap + sinks - j) for j in range(min(sinks, first))]
+                    seen += [(j, offset + memory_places + gap - place) for j, place in memory]
                 index = torch.tensor([j for j, _ in seen])
                 at = i - torch.tensor([dist for _, dist in seen])
                 weights = torch.softmax(scores_of(q[i, head], k[index, kv], i, at, head, local), 0)

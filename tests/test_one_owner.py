@@ -13,6 +13,7 @@ from modeling_lex import reading
 from modeling_lex.reading import ReadingPolicy
 from tests import reference
 from tests.helpers import PAD, W, perturbed_model, prompt, tiny_config
+from tests.test_memory import as_read, distinct_prompt, memory_config, read
 
 @pytest.fixture(params=[-1, 1], ids=["one key narrower", "one key wider"])
 def changed_window(monkeypatch, request) -> int:
@@ -75,3 +76,36 @@ def test_a_changed_window_rule_is_followed_everywhere(changed_window, sinks, pos
         out = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=PAD,
                              cache_implementation=implementation)
         assert out[0, ids.shape[1] :].tolist() == expected, implementation
+
+
+GAP = 3  # the changed memory frame: the memory's places (and the sinks before them) this much further from the window
+
+
+@pytest.fixture
+def memory_further(monkeypatch) -> int:
+    """`reading.memory_places` changed in its one place: the memory's k * b_m places GAP further from the window."""
+    own = reading.memory_places
+    monkeypatch.setattr(reading, "memory_places", lambda count, device: own(count, device) - GAP)
+    reading._frame_rotation.cache_clear()  # (its rotations are made once per model)
+    yield GAP
+    reading._frame_rotation.cache_clear()
+
+
+@pytest.mark.parametrize("method", ["rope", "xpos", "alibi"])
+@pytest.mark.parametrize("sinks", [0, 4])
+def test_a_changed_memory_frame_is_followed_everywhere(memory_further, method, sinks):
+    """Prompt chunks, pieces and decoding through a LexCache with the block memory, and generate(): the memory's
+    keys, and the sinks before them, where the changed frame puts them, as the reference with the same gap."""
+    config = memory_config(position_embedding_type=method, attention_mode="sliding", attention_sinks=sinks)
+    model = perturbed_model(config)
+    ids = distinct_prompt(60, seed=1)
+    calls = [W, W - 3, 5, 1, 7] + [1] * 18
+    logits = read(model, ids, calls, LexCache(config))
+    state = model.state_dict()
+    expected = reference.memory_forward(state, config, ids[0], as_read(calls), gap=memory_further)
+    assert not torch.allclose(expected, reference.memory_forward(state, config, ids[0], as_read(calls)))
+    torch.testing.assert_close(logits.double(), expected, atol=2e-5, rtol=0)
+    out = model.generate(ids[:, :40], max_new_tokens=6, do_sample=False, pad_token_id=PAD)
+    forwards = as_read([40]) + [1] * 5
+    tokens = reference.memory_forward(state, config, out[0, :-1], forwards, gap=memory_further)[39:].argmax(-1)
+    assert out[0, 40:].tolist() == tokens.tolist()
