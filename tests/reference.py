@@ -121,9 +121,10 @@ def visible(mode, window, n, pad, sinks=0):
     return allowed
 
 
-def sinks_in_the_cache(config, n, pad):
+def sinks_in_the_cache(config, n, pad, gap=0):
     """attention_sink_positions="cache": [(query i, sink key j, the distance it is seen at)] for every sink a query
-    sees outside its window, placed as StreamingLLM places them: just before the query's window."""
+    sees outside its window, placed as StreamingLLM places them: just before the query's window (`gap` places
+    further)."""
     mode, window, sinks = config.attention_mode, config.attention_window, config.attention_sinks
     if mode == "full" or not sinks or getattr(config, "attention_sink_positions", "true") != "cache":
         return []
@@ -131,12 +132,13 @@ def sinks_in_the_cache(config, n, pad):
     for i in range(pad, n):
         first = max(pad, i - window + 1) if mode == "sliding" else max(pad, pad + ((i - pad) // b - 1) * b)
         for j in range(pad, min(pad + sinks, first)):
-            pairs.append((i, j, sinks + (i - first) - (j - pad)))
+            pairs.append((i, j, gap + sinks + (i - first) - (j - pad)))
     return pairs
 
 
-def forward(state, config, input_ids, pad=0, positions=None, maps=None, layer_scores=None):
-    """Logits (n, vocab) of one row; the first `pad` tokens are padding (masked as keys).
+def forward(state, config, input_ids, pad=0, positions=None, maps=None, layer_scores=None, sink_gap=0):
+    """Logits (n, vocab) of one row; the first `pad` tokens are padding (masked as keys). `sink_gap`: sinks in the
+    cache's frame sit that many places further from the window.
 
     `maps`: a list that receives each layer's attention weights (heads, n, n); `layer_scores`: one that receives each
     layer's pre-softmax scores (heads, n, n), position terms included, before the mask."""
@@ -159,7 +161,7 @@ def forward(state, config, input_ids, pad=0, positions=None, maps=None, layer_sc
     if config.layernorm_embedding:
         x = ln(x, "model.layernorm_embedding")
     allowed = visible(config.attention_mode, config.attention_window, n, pad, config.attention_sinks)
-    placed_sinks = sinks_in_the_cache(config, n, pad)
+    placed_sinks = sinks_in_the_cache(config, n, pad, sink_gap)
     alpha = (2 * config.num_hidden_layers) ** 0.25 if config.deepnorm else 1.0
     for layer in range(config.num_hidden_layers):
         p = f"model.layers.{layer}."

@@ -1,7 +1,9 @@
 """Each reading rule is written in one place and every consumer asks it: a rule changed there (monkeypatched) is
-followed by the tile, the caches, the stream and generate(), and the model equals the float64 reference built with
-the same change (tests/reference.py states the rules on its own). A consumer that restates a rule instead of
-asking its owner keeps the old rule and fails here."""
+followed by the tile, the caches, the stream, the block memory and generate(), and the model equals the float64
+reference built with the same change (tests/reference.py states the rules on its own). The rules: the window
+(`ReadingPolicy.window_reach`), the memory's frame (`reading.memory_places`), the sinks' placement
+(`ReadingPolicy.sink_frame`) and a position method's factors (`positions.rotary_factors`). A consumer that restates a
+rule instead of asking its owner keeps the old rule and fails here."""
 
 import copy
 
@@ -9,7 +11,7 @@ import pytest
 import torch
 
 from modeling_lex import LexCache, LexStaticCache
-from modeling_lex import reading
+from modeling_lex import positions, reading
 from modeling_lex.reading import ReadingPolicy
 from tests import reference
 from tests.helpers import PAD, W, perturbed_model, prompt, tiny_config
@@ -109,3 +111,82 @@ def test_a_changed_memory_frame_is_followed_everywhere(memory_further, method, s
     forwards = as_read([40]) + [1] * 5
     tokens = reference.memory_forward(state, config, out[0, :-1], forwards, gap=memory_further)[39:].argmax(-1)
     assert out[0, 40:].tolist() == tokens.tolist()
+
+
+@pytest.fixture
+def sinks_further(monkeypatch) -> int:
+    """`ReadingPolicy.sink_frame` changed in its one place: the sinks GAP places further from the window."""
+    own = ReadingPolicy.sink_frame
+
+    def changed(self, q_index, start):
+        frame = own(self, q_index, start)
+        return None if frame is None else (frame[0], frame[1] - GAP)
+
+    monkeypatch.setattr(ReadingPolicy, "sink_frame", changed)
+    yield GAP
+
+
+@pytest.mark.parametrize("mode", ["sliding", "blockwise"])
+@pytest.mark.parametrize("method", ["rope", "xpos", "alibi"])
+def test_a_changed_sink_placement_is_followed_everywhere(sinks_further, mode, method):
+    """A long forward, a LexCache read in chunks then token by token, and generate() (LexCache and static): the
+    sinks seen where the changed rule places them, as the reference with the same gap."""
+    config = tiny_config(attention_mode=mode, attention_sinks=3, attention_sink_positions="cache",
+                         position_embedding_type=method, num_attention_heads=4)
+    model = perturbed_model(config)
+    ids = prompt(1, 3 * W + 5)
+    state = model.state_dict()
+    expected = reference.forward(state, config, ids[0], sink_gap=sinks_further)
+    assert not torch.allclose(expected, reference.forward(state, config, ids[0]))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits[0].double(), expected, atol=1e-5, rtol=1e-5)
+        cache = LexCache(config)
+        stepped = torch.cat([model(ids[:, :W], cache=cache).logits]
+                            + [model(ids[:, i : i + 1], cache=cache).logits for i in range(W, ids.shape[1])], 1)
+        torch.testing.assert_close(stepped[0].double(), expected, atol=1e-5, rtol=1e-5)
+    for implementation in (None, "static"):
+        out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=PAD,
+                             cache_implementation=implementation)
+        tokens = reference.forward(state, config, out[0, :-1], sink_gap=sinks_further)[ids.shape[1] - 1 :].argmax(-1)
+        assert out[0, ids.shape[1] :].tolist() == tokens.tolist(), implementation
+
+
+@pytest.fixture
+def turning_twice(monkeypatch) -> None:
+    """`positions.rotary_factors` changed in its one place: RoPE turns every pair twice as far for a distance; the
+    reference's own frequencies changed alike (`reference.frequencies`, twice the inverse frequencies)."""
+    own, own_reference = positions.rotary_factors, reference.frequencies
+    monkeypatch.setattr(positions, "rotary_factors", lambda relative, *rest, **options: own(2 * relative, *rest,
+                                                                                              **options))
+    monkeypatch.setattr(reference, "frequencies", lambda config: (2 * own_reference(config)[0],
+                                                                  own_reference(config)[1]))
+    reading._frame_rotation.cache_clear()
+    yield
+    reading._frame_rotation.cache_clear()
+
+
+@pytest.mark.parametrize("mode", ["sliding", "blockwise"])
+def test_changed_position_factors_are_followed_everywhere(turning_twice, mode, monkeypatch):
+    """RoPE's factors changed where they are made: the new tokens, the sinks turned into their frame, the memory's
+    keys turned to the query and back, a static cache's compiled-shape decoding, all as the reference's."""
+    config = tiny_config(attention_mode=mode, attention_sinks=3, attention_sink_positions="cache",
+                         position_embedding_type="rope", num_attention_heads=4)
+    model = perturbed_model(config)
+    ids = prompt(1, 3 * W + 5)
+    state = model.state_dict()
+    with torch.no_grad():
+        changed = model(ids).logits[0]
+        torch.testing.assert_close(changed.double(), reference.forward(state, config, ids[0]), atol=1e-5, rtol=1e-5)
+    out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=PAD, cache_implementation="static")
+    tokens = reference.forward(state, config, out[0, :-1])[ids.shape[1] - 1 :].argmax(-1)
+    assert out[0, ids.shape[1] :].tolist() == tokens.tolist()
+    config = memory_config(position_embedding_type="rope", attention_mode=mode, attention_sinks=4)
+    model = perturbed_model(config)
+    ids = distinct_prompt(60, seed=1)
+    calls = [W, W - 3, 5, 1, 7] + [1] * 18
+    logits = read(model, ids, calls, LexCache(config))
+    expected = reference.memory_forward(model.state_dict(), config, ids[0], as_read(calls))
+    torch.testing.assert_close(logits.double(), expected, atol=2e-5, rtol=0)
+    monkeypatch.undo()  # (the change mattered)
+    reading._frame_rotation.cache_clear()
+    assert not torch.allclose(read(model, ids, calls, LexCache(config)), logits)
