@@ -40,7 +40,7 @@ from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer
 
 from .generation import init_cache_layers
 from .memory import BlockMemory, Evicted, OpenStep
-from .reading import CacheRequest, ReadingPolicy
+from .reading import AttentionPlan, ReadingPolicy
 from .stream import ForwardRecord, Stream, mark_static
 
 
@@ -86,7 +86,7 @@ class LexCacheLayer(DynamicLayer):
         self._sinks: list[torch.Tensor | None] = [None, None]  # raw keys, values of the sink slots (B, H, S, d)
         self._joined: list[torch.Tensor | None] = [None, None]  # under autograd: the window part and the new keys
         self.memory = memory
-        self._request: CacheRequest | None = None  # the forward's, between update and commit
+        self._request: AttentionPlan | None = None  # the forward's plan, between update and commit
         super().__init__()
 
     @property
@@ -140,17 +140,19 @@ class LexCacheLayer(DynamicLayer):
         return 0 if span is None else span[2] - span[1] + self._slots(0)
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, request: CacheRequest
+        self, key_states: torch.Tensor, value_states: torch.Tensor, request: AttentionPlan | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sink slots, the window part and the new keys (and values), as attention reads them."""
+        """The sink slots, the window part and the new keys (and values), as attention reads them; `request`: the
+        forward's plan (what it lends; None: nothing)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._request = request
-        return self._span(0, key_states, request.memory_room), self._span(1, value_states, request.memory_room)
+        room = 0 if request is None else request.memory_room
+        return self._span(0, key_states, room), self._span(1, value_states, room)
 
     def _span(self, which: int, new: torch.Tensor, lent: int) -> torch.Tensor:
         """The sink slots, the window part and `new` as one span, and after it `lent` columns attention may write
-        (the memory's blocks: `CacheRequest.memory_room`): `new` written after the window part (where there is no
+        (the memory's blocks: `AttentionPlan.memory_room`): `new` written after the window part (where there is no
         room, the sink slots and the window part move, to the front of the buffer or of a new one with room to grow;
         what they hold stays the same); concatenated, with nothing lent, under autograd."""
         sinks, count = self._sinks[which], self._slots(which)
@@ -273,7 +275,7 @@ class LexCacheSteps:
     @contextlib.contextmanager
     def step(self, record: ForwardRecord) -> Iterator[None]:
         """Run one forward's layers inside: when the block ends every layer holds what `record` says and the stream
-        moves to `record.stream_after`; if it raises, every layer drops what it read and the cache is as it was."""
+        moves to the record's metadata after the forward; if it raises, every layer drops what it read and the cache is as it was."""
         self._open(record)
         try:
             yield
@@ -287,10 +289,10 @@ class LexCacheSteps:
         self._close(record, evicted)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-               request: CacheRequest | None = None, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+               request: AttentionPlan | None = None, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """What layer `layer_idx` of the forward open now attends to, for the plan's `request`: the keys and values
         of its span (sink slots first, the new ones last). What the layer holds changes when the step ends."""
-        return self.layers[layer_idx].update(key_states, value_states, request or CacheRequest())
+        return self.layers[layer_idx].update(key_states, value_states, request)
 
     def _open(self, record: ForwardRecord) -> None:
         """What the cache keeps for the length of one forward (nothing, but for the block memory's evidence)."""
@@ -483,13 +485,14 @@ class LexStaticLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, request: CacheRequest
+        self, key_states: torch.Tensor, value_states: torch.Tensor, request: AttentionPlan | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The slots followed by the new keys (and values), as new tensors; the slots are written at `commit`."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._joined = torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
-        self._raw_sinks = self.keys[:, :, : self.sink_slots].clone() if request.sinks_lent else None
+        lent = request is not None and request.sinks_lent
+        self._raw_sinks = self.keys[:, :, : self.sink_slots].clone() if lent else None
         return self._joined
 
     def commit(self, record: ForwardRecord) -> None:

@@ -116,7 +116,7 @@ def _chunks(x: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
 def _tile_inputs(tile: Tile, sink_slots: int, query, key, value, recalled=None, lent: bool = False):
     """The tile's queries, keys and values; the block memory's blocks (`recalled`, keys in its frame) after the
     window part's keys, turned into the tile's frame: written in the columns the cache `lent` after its span
-    (`CacheRequest.memory_room`), where it did."""
+    (`AttentionPlan.memory_room`), where it did."""
     if tile.query_slots is not None:
         return _chunks(query, tile.query_slots), _chunks(key, tile.key_columns), _chunks(value, tile.key_columns)
     keys = slice(sink_slots + tile.key_slice.start, sink_slots + tile.key_slice.stop)
@@ -177,11 +177,11 @@ def arrange(
     dimension (the values padded to that width: the caller keeps the first `head_dim` of the output). The keys and
     values the cache returned are read, never written (they may be views of its buffers), but for what it lends a
     decoding step: the copy of its sink slots, where the step turns its sinks to the query
-    (`CacheRequest.sinks_lent`; the cache writes the raw slots back when the forward's step ends), and the columns
-    after its span, where the step puts the memory's blocks (`CacheRequest.memory_room`; no key the cache holds)."""
+    (`AttentionPlan.sinks_lent`; the cache writes the raw slots back when the forward's step ends), and the columns
+    after its span, where the step puts the memory's blocks (`AttentionPlan.memory_room`; no key the cache holds)."""
     tile = plan.tile
     given, k, v = _tile_inputs(tile, plan.sink_slots, query, key, value, recalled if tile.n_memory else None,
-                               lent=plan.cache_request.memory_room > 0)
+                               lent=plan.memory_room > 0)
     if tile.sink_key_rotation is not None:  # the sinks turned to the query (one query per row, per-token RoPE)
         sinks = k[:, :, : tile.n_sinks]
         if tile.sinks_in_slots and not k.requires_grad:  # the cache lent its sink slots' copy for this forward

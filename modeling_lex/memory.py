@@ -7,13 +7,13 @@ that specification in code, and tests/reference.py a float64 naive one. Why the 
 benchmarks/journal/, not here.
 
 In short: keys and values that leave a LexCache's window part are appended here in stream order, without positions
-(RoPE keys rotated back to position 0: `CacheRequest.memory_unrotate`), in blocks of b =
+(RoPE keys rotated back to position 0: `AttentionPlan.memory_unrotate`), in blocks of b =
 `attention_memory_block_size`, each complete block with `ReadingPolicy.representatives` representative keys (its
 keys of largest norm). Each layer with a memory (every layer but Gemma's local ones) scores the candidate blocks
 (`MemoryRead.candidates`) for the forward's choosing queries (`choosing_queries`), adds the score to the forward's
-`Evidence` (the layers below it, and what the last forward that chose found) and reads the blocks `choose_blocks` picks by it, in the slots `placed` orders. The forward's
-`MemoryStep` (what it may read, the evidence) is shared by its layers through the cache's `OpenStep`, set when the
-forward's step opens; attention asks the layer's memory for its blocks (`recall`), and a choice, like everything a
+evidence (the layers below it, and what the last forward that chose found) and reads the blocks `choose_blocks`
+picks by it, in the slots `placed` orders. What the forward may read and its evidence are shared by its layers
+through the cache's `OpenStep`, opened when the forward's step opens; attention asks the layer's memory for its blocks (`recall`), and a choice, like everything a
 forward reads, is held only when the forward commits (`commit`; `discard` if it raised).
 
 The store grows with the document by its keys' and values' bytes (the model's dtype) plus the representatives (a
@@ -192,28 +192,6 @@ def choosing_queries(query: torch.Tensor, piece: int, block: int) -> torch.Tenso
     return query[:, :, (length - 1) % step :: step]
 
 
-class Evidence:
-    """The block scores one forward gathers, layer by layer (`MemoryRead.candidates`' blocks): it starts from what
-    the last forward that chose found (`carried`, one layer's worth), and each layer that scores adds its own, so a
-    layer chooses by its scores and those of the layers below it. Owned by the cache for one forward."""
-
-    def __init__(self, carried: torch.Tensor) -> None:
-        self.carried = carried
-        self.total = carried.clone()
-        self.layers_scored = 0
-
-    def add(self, scores: torch.Tensor) -> torch.Tensor:
-        """A layer's scores joined to the evidence; the evidence it chooses by."""
-        self.total += scores
-        self.layers_scored += 1
-        return self.total
-
-    def found(self) -> torch.Tensor | None:
-        """What this forward found, one layer's worth (what the next forward starts from); None where no layer
-        scored (each read the last choice's blocks)."""
-        return (self.total - self.carried) / self.layers_scored if self.layers_scored else None
-
-
 @dataclass(frozen=True)
 class Choice:
     """The blocks one layer's memory read at a choice, as it read them: the same until the next choice."""
@@ -228,18 +206,9 @@ class Choice:
         return Choice(function(self.blocks), self.among, function(self.keys), function(self.values))
 
 
-@dataclass(frozen=True)
-class MemoryStep:
-    """What one forward reads of the block memory, shared by its layers for the length of the forward's step: what
-    it may read, and the evidence its layers add to one after the other."""
-
-    read: MemoryRead
-    evidence: Evidence
-
-
 class Evicted(NamedTuple):
     """The keys and values (B, H, n, d) one layer's window part dropped in a forward, and what undoes their rotation
-    (`CacheRequest.memory_unrotate`; None: held raw)."""
+    (`AttentionPlan.memory_unrotate`; None: held raw)."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -247,30 +216,44 @@ class Evicted(NamedTuple):
 
 
 class OpenStep:
-    """The forward open now, shared by every layer's memory of one cache: its `MemoryStep`, None between forwards
-    and in a forward that reads nothing of the memory. The cache opens it when a forward's step opens and closes
-    it when the step ends, for every layer's memory at once."""
+    """The forward open now, shared by every layer's memory of one cache: what it may read of the block memory
+    (`read`; None between forwards and in a forward that reads nothing of it) and the evidence its layers gather,
+    one after the other: the block scores (`MemoryRead.candidates`' blocks) start from what the last forward that
+    chose found (`carried`, one layer's worth), and each layer that scores adds its own (`add`), so a layer chooses
+    by its scores and those of the layers below it. The cache opens it when a forward's step opens and closes it
+    when the step ends, for every layer's memory at once."""
 
-    step: MemoryStep | None = None
+    read: MemoryRead | None = None
 
     def open(self, read: MemoryRead | None, found: torch.Tensor | None) -> None:
         """A forward that reads the memory (`read`; None: it reads nothing) starts its evidence from what the last
         forward that chose `found` ((B, blocks then), one layer's worth; blocks completed since then start at 0)."""
+        self.read = read
         if read is None:
-            self.step = None
             return
-        carried = torch.zeros(read.candidates.shape, device=read.candidates.device)
+        self.carried = torch.zeros(read.candidates.shape, device=read.candidates.device)
         if found is not None:
-            carried[:, : found.shape[1]] = found
-        self.step = MemoryStep(read, Evidence(carried))
+            self.carried[:, : found.shape[1]] = found
+        self.total, self.layers_scored = self.carried.clone(), 0
+
+    def add(self, scores: torch.Tensor) -> torch.Tensor:
+        """A layer's scores joined to the evidence; the evidence it chooses by."""
+        self.total += scores
+        self.layers_scored += 1
+        return self.total
+
+    def found(self) -> torch.Tensor | None:
+        """What this forward found, one layer's worth (what the next forward starts from); None where no layer
+        scored (each read the last choice's blocks)."""
+        return (self.total - self.carried) / self.layers_scored if self.layers_scored else None
 
     def close(self, memories: list["BlockMemory | None"], evicted: list[Evicted | None] | None
               ) -> torch.Tensor | None:
         """The step ended. With what each layer `evicted` (the forward completed), each layer's memory holds its
         evicted keys and values (rotated back to position 0, all layers in one product) and the choice it read;
         with None (the forward raised), every memory drops what it read. Returns what a forward that chose found
-        (`Evidence.found`), else None."""
-        step, self.step = self.step, None
+        (`found`), else None."""
+        read, self.read = self.read, None
         if evicted is None:
             for memory in memories:
                 if memory is not None:
@@ -284,7 +267,7 @@ class OpenStep:
             held = [(memory, out._replace(keys=unrotated.get(id(out), out.keys))) for memory, out in held]
         for memory, out in held:
             memory.commit((out.keys, out.values))
-        return None if step is None else step.evidence.found()
+        return None if read is None else self.found()
 
 
 class BlockMemory:
@@ -354,13 +337,13 @@ class BlockMemory:
         keys and values (B, H, k*block, d); None where the forward reads nothing of the memory. The choice is
         staged: held from `commit` on, dropped by `discard`. `group`: the tensor-parallel group whose ranks hold
         the layer's other heads (see `choose`)."""
-        step = self.open_step.step
-        if step is None:
+        step = self.open_step
+        if step.read is None:
             return None
-        self.pending = self.choose(query, step.read, step.evidence, frame, group)
+        self.pending = self.choose(query, step.read, step, frame, group)
         return self.pending.keys, self.pending.values
 
-    def choose(self, query: torch.Tensor, readable: MemoryRead, evidence: Evidence,
+    def choose(self, query: torch.Tensor, readable: MemoryRead, evidence: OpenStep,
                frame: torch.Tensor | None = None, group: ProcessGroup | None = None) -> Choice:
         """The n slots' keys and values (B, H, n*block, d) that `readable` says a forward reads (n <= k: the slots
         some row fills), for a layer's queries (B, Hq, T, d) before positions: the keys rotated by `frame` to their
@@ -424,6 +407,6 @@ class BlockMemory:
 
 
 __all__ = [
-    "BlockMemory", "Choice", "Evicted", "Evidence", "MemoryStep", "OpenStep", "block_representatives", "block_scores", "choose_blocks",
+    "BlockMemory", "Choice", "Evicted", "OpenStep", "block_representatives", "block_scores", "choose_blocks",
     "choosing_queries", "placed", "readable_blocks",
 ]

@@ -204,7 +204,7 @@ class LexAttention(nn.Module):
                 rows, *(x.split(width) for x in (query, key, value, raw_query))):
             recalled = None
             if isinstance(cache, LexCacheSteps):
-                key_, value_ = cache.update(key_, value_, self.layer_idx, plan.cache_request)
+                key_, value_ = cache.update(key_, value_, self.layer_idx, plan)
                 memory = cache.layers[self.layer_idx].memory
                 if memory is not None:  # the blocks past the window this layer's queries choose
                     recalled = memory.recall(raw_query_, plan.memory_frame, self.tensor_parallel_group())
@@ -275,8 +275,8 @@ def without_positions(plan: AttentionPlan) -> AttentionPlan:
     dropping those leaves plain attention under the same mask."""
     tile = dataclasses.replace(plan.tile, sink_query_factors=None, sink_key_rotation=None, memory_place=None)
     # (the block memory's keys: raw, and raw when evicted)
-    request = dataclasses.replace(plan.cache_request, sinks_lent=False, memory_unrotate=None)
-    return dataclasses.replace(plan, tile=tile, token_factors=None, cache_request=request, memory_frame=None)
+    return dataclasses.replace(plan, tile=tile, token_factors=None, sinks_lent=False, memory_unrotate=None,
+                               memory_frame=None)
 
 
 class LexDecoderLayer(GradientCheckpointingLayer):
@@ -485,7 +485,7 @@ class LexModel(LexPreTrainedModel):
         of them that fall on the question choose among blocks by what the filler before it looks for, and its later
         queries have a gap of up to T - 1 keys between the memory (what the cache had evicted when the forward
         began) and their window. In pieces more of the question's queries choose, and each forward starts from what
-        the one before it found (`Evidence.carried`), so the token that predicts the next one reads the blocks the
+        the one before it found (`OpenStep.carried`), so the token that predicts the next one reads the blocks the
         whole question points to; the last p / 4 tokens, read without the filler before them, hand on what the
         question's own words find.
 

@@ -288,24 +288,6 @@ class AttentionContext:
     memory: MemoryRead | None = None  # what this forward reads of the block memory (None: nothing)
 
 
-@dataclass(frozen=True)
-class CacheRequest:
-    """What a layer hands a LEX cache with its new keys (`cache.update(key, value, layer_idx, request)`), the same
-    for every layer of a forward. Other caches take it as an extra argument they ignore."""
-
-    # A decoding step that turns its sinks to the query (RoPE) turns the copy of the sink slots the cache returns
-    # before its window part, in place (kernels.arrange): the cache lends that copy and writes the raw slots back
-    # when the step ends.
-    sinks_lent: bool = False
-    # A decoding step that reads the block memory's blocks after its span: the columns the cache lends after the
-    # span's end, where attention writes them (kernels.arrange), so that the span and the blocks are one tensor
-    # without copying the span.
-    memory_room: int = 0
-    # With a block memory (RoPE; None otherwise and in layers without positions): (B, 1, dropped, d), what undoes
-    # the rotation of the keys this forward evicts, which the cache hands the memory.
-    memory_unrotate: torch.Tensor | None = None
-
-
 # ------------------------------------------------------------------------------------------ the plan
 
 
@@ -335,7 +317,7 @@ class Tile:
     # query's shift instead (R(a)q . k = q . R(-a)k), so no second copy of the query is needed: these are the
     # factors of R(-a), which the kernel applies to the tile's copy of the sink keys. Where the sink columns are the
     # cache's own sink slots (`sinks_in_slots`), the tile reads the keys and values the cache returned as one span,
-    # without a mask, and the kernel turns the copy of the sink slots the cache lends it (`CacheRequest.sinks_lent`).
+    # without a mask, and the kernel turns the copy of the sink slots the cache lends it (`AttentionPlan.sinks_lent`).
     sink_key_rotation: torch.Tensor | None = None
     sinks_in_slots: bool = False
     # The block memory's key columns (memory.py: `recall`), after the window part's: met by the second copy of each
@@ -347,13 +329,24 @@ class Tile:
 @dataclass
 class AttentionPlan:
     """What every layer of one forward runs: its one tile (one call of the attention backend), and what each layer
-    hands its cache with its keys."""
+    hands its cache with its keys (`cache.update(key, value, layer_idx, plan)`; other caches take the plan as an
+    extra argument they ignore) and its block memory."""
 
     tile: Tile | None
     sink_slots: int  # the cache's sink slots, which come first among the keys it returns
     attention_maps: bool = False  # a dense tile over every key, whose weights are the full attention map
     token_factors: torch.Tensor | None = None  # (B, 1, T, d): per-token encodings (RoPE; positions.encode_tokens)
-    cache_request: CacheRequest | None = None  # what every layer hands its cache (set with the tile)
+    # A decoding step that turns its sinks to the query (RoPE) turns the copy of the sink slots the cache returns
+    # before its window part, in place (kernels.arrange): the cache lends that copy and writes the raw slots back
+    # when the step ends.
+    sinks_lent: bool = False
+    # A decoding step that reads the block memory's blocks after its span: the columns the cache lends after the
+    # span's end, where attention writes them (kernels.arrange), so that the span and the blocks are one tensor
+    # without copying the span.
+    memory_room: int = 0
+    # With a block memory (RoPE; None otherwise and in layers without positions): (B, 1, dropped, d), what undoes
+    # the rotation of the keys this forward evicts, which the cache hands the memory.
+    memory_unrotate: torch.Tensor | None = None
     # With a block memory (RoPE; None otherwise and in layers without positions): (1, 1, n * b, d), the rotation of
     # raw memory keys to their places in the frame (ReadingPolicy.memory_frame: the last n * b of its k * b places,
     # for the n slots read), which each layer hands its memory (`BlockMemory.recall`): applied once per choice, so
@@ -627,9 +620,9 @@ def build_plan(
     tile = plan.tile
     one_span = tile.query_slots is None and total == 1 and tile.key_slice == slice(0, n_keys) and (
         tile.sinks_in_slots or tile.sink_columns is None)  # (a decoding step whose keys are the cache's span)
-    plan.cache_request = CacheRequest(sinks_lent=tile.sinks_in_slots and tile.sink_key_rotation is not None,
-                                      memory_room=tile.n_memory if one_span and not attention_maps else 0,
-                                      memory_unrotate=unrotate)
+    plan.sinks_lent = tile.sinks_in_slots and tile.sink_key_rotation is not None
+    plan.memory_room = tile.n_memory if one_span and not attention_maps else 0
+    plan.memory_unrotate = unrotate
     plan.memory_frame = frame
     return plan
 
@@ -655,6 +648,6 @@ def _memory_rotations(policy: ReadingPolicy, position_method: PositionMethod, ct
 
 
 __all__ = [
-    "AttentionContext", "AttentionPlan", "CacheRequest", "MemoryRead", "ReadingPolicy", "Tile", "build_plan",
+    "AttentionContext", "AttentionPlan", "MemoryRead", "ReadingPolicy", "Tile", "build_plan",
     "chunk_map", "find_sinks", "memory_places",
 ]

@@ -31,8 +31,8 @@ Shared terms (stream.py, cache.py, reading.py and kernels.py use each in this se
   part among the keys it returns. `sink_slots`: how many a cache has now (a LexCache none before its first dropped
   key, a LexStaticCache from the start; none where a cache never drops a key).
 - record: a `ForwardRecord`; `keep`: how many window keys the cache holds after the forward.
-- context: an `AttentionContext` (reading.py), what a forward reads; request: a `CacheRequest`, what a layer hands
-  the cache with its keys.
+- context: an `AttentionContext` (reading.py), what a forward reads; request: the forward's `AttentionPlan`, which
+  a layer hands the cache with its keys (what the cache lends the step).
 - evicted: window keys a cache has dropped for good (stream indices 0 ... E - 1 of the row). With a block memory
   (`attention_memory_blocks`, memory.py) the cache keeps them in blocks; `memory`: what one forward reads there.
 """
@@ -79,9 +79,15 @@ class StreamState:
 
 
 @dataclass(frozen=True)
-class StreamAfter:
-    """The stream's metadata after the forward, which `Stream.commit` stores (see stream.py for each field)."""
+class ForwardRecord:
+    """What one forward reads (`context`) and what the cache keeps after it: made by `Stream.begin` for every cache
+    and for none, read by the plan (reading.py) and by each layer's cache, applied when the cache's `step(record)`
+    ends."""
 
+    context: AttentionContext
+    keep: int | None  # window keys a cache holds after this forward (None: all of them)
+    sink_source: torch.Tensor | None  # (B, S): where each sink slot's next content comes from (None: as it is)
+    # The stream's metadata after the forward, which `Stream.commit` stores (see the module docstring):
     seen: int | torch.Tensor
     positions: torch.Tensor  # (B, held) of the window part
     valid: torch.Tensor
@@ -95,18 +101,6 @@ class StreamAfter:
     sink_slots: int
     floor: int  # the earliest stream length a rollback can return to, while recording
     memory_valid: torch.Tensor | None  # (B, E): whether each evicted token is real (block memory only)
-
-
-@dataclass(frozen=True)
-class ForwardRecord:
-    """What one forward reads (`context`) and what the cache keeps after it: made by `Stream.begin` for every cache
-    and for none, read by the plan (reading.py) and by each layer's cache, applied when the cache's `step(record)`
-    ends."""
-
-    context: AttentionContext
-    keep: int | None  # window keys a cache holds after this forward (None: all of them)
-    sink_source: torch.Tensor | None  # (B, S): where each sink slot's next content comes from (None: as it is)
-    stream_after: StreamAfter
     # Read by every layer, so fields (set from the context when the record is made), not properties:
     new_tokens: int = field(init=False)  # T
     dropped: int = field(init=False)  # window keys this forward evicts (the oldest after the sink slots)
@@ -256,7 +250,8 @@ class Stream:
         )
         sink_source, sinks_after = self._refill_sink_slots(context, after.at(-1), seen,
                                                            dropping=keep < available)
-        stream_after = StreamAfter(
+        return ForwardRecord(
+            context, None if self.unbounded else keep, sink_source,
             seen=seen,
             positions=context.key_positions[:, drop:],
             valid=context.key_valid[:, drop:],
@@ -268,25 +263,23 @@ class Stream:
             memory_valid=None if not self.memory else torch.cat([self.memory_valid, context.key_valid[:, :drop]], 1),
             **sinks_after,
         )
-        return ForwardRecord(context, None if self.unbounded else keep, sink_source, stream_after)
 
     def commit(self, record: ForwardRecord) -> None:
         """Store the stream's metadata after the record's forward (static: in place, the buffers keep their
         addresses)."""
-        after = record.stream_after
         for name in ("positions", "valid", "index", "sink_index", "sink_positions", "sink_valid"):
             if self.static:
-                getattr(self, name).copy_(getattr(after, name))
+                getattr(self, name).copy_(getattr(record, name))
             else:
-                setattr(self, name, getattr(after, name))
+                setattr(self, name, getattr(record, name))
         if self.static:
-            self.seen.copy_(after.seen)
-            self.after.copy_(after.after)
-            self.state.copy_(after.state)
+            self.seen.copy_(record.seen)
+            self.after.copy_(record.after)
+            self.state.copy_(record.state)
         else:
-            self.seen, self.after, self.state, self.base = after.seen, after.after, after.state, after.base
-        self.sink_slots, self.floor = after.sink_slots, after.floor
-        self.memory_valid = after.memory_valid
+            self.seen, self.after, self.state, self.base = record.seen, record.after, record.state, record.base
+        self.sink_slots, self.floor = record.sink_slots, record.floor
+        self.memory_valid = record.memory_valid
 
     # ------------------------------------------------------------------------------------------------ sink slots
 
@@ -537,4 +530,4 @@ def _custom_mask_record(
     return replace(record, context=context)
 
 
-__all__ = ["ForwardRecord", "Stream", "StreamAfter", "StreamState", "begin_forward", "mark_static"]
+__all__ = ["ForwardRecord", "Stream", "StreamState", "begin_forward", "mark_static"]

@@ -128,7 +128,7 @@ def test_reading_keys_and_values_changes_nothing(mode, sinks, rule, kind):
 def test_attention_writes_only_what_the_cache_lends(mode, sinks, rule, kind, cache_kind, monkeypatch):
     """Of the keys and values each layer's attention receives from the cache (views of its buffers), over a prompt
     and decoding steps that read sink slots in either frame, attention (the tile's arrangement and the backend's
-    call) writes only what the request lends it (the copy of the sink slots, `CacheRequest.sinks_lent`; the
+    call) writes only what the request lends it (the copy of the sink slots, `AttentionPlan.sinks_lent`; the
     columns after the span, `memory_room`), and after the step the cache holds the raw sink keys there again."""
     model = model_for(mode, sinks, rule, kind)
     ids = prompt(2, 3 * W)
@@ -136,8 +136,8 @@ def test_attention_writes_only_what_the_cache_lends(mode, sinks, rule, kind, cac
     original = modeling.arrange
 
     def watched_arrange(module, plan, query, key, value, *args):
-        slots = plan.sink_slots if plan.cache_request.sinks_lent else 0
-        room = plan.cache_request.memory_room  # (the columns after the span are the forward's)
+        slots = plan.sink_slots if plan.sinks_lent else 0
+        room = plan.memory_room  # (the columns after the span are the forward's)
         if plan.tile.n_memory and query.shape[2] == 1:
             rooms.append(room)
         held = key.shape[2] - room

@@ -128,7 +128,7 @@ def test_no_import_cycle():
     assert cycles == []
 
 
-MEMORY_TYPES = {"BlockMemory", "Choice", "Evidence", "MemoryStep"}
+MEMORY_TYPES = {"BlockMemory", "Choice", "OpenStep"}
 
 
 def test_the_memory_types_are_named_in_two_rooms():
@@ -233,3 +233,52 @@ def test_attention_makes_one_call_of_the_backend_transformers_returns():
                {t.id for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
                 if isinstance(t, ast.Name)}]
     assert rebound == assigned  # the function called is the one transformers returned, not a substitute
+
+
+def made_per_forward(forward) -> set[str]:
+    """The classes of the reading path's modules whose constructors run during `forward()` (dataclasses, plain
+    classes and named tuples alike)."""
+    import inspect
+    import sys
+
+    from modeling_lex import cache, kernels, memory, positions, reading, stream
+
+    ours = {obj for module in (cache, kernels, memory, positions, reading, stream) for obj in vars(module).values()
+            if inspect.isclass(obj) and obj.__module__ == module.__name__}
+    made = set()
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_name in ("__init__", "__new__", "<lambda>"):
+            made_by = frame.f_locals.get("self", frame.f_locals.get("_cls"))
+            kind = made_by if isinstance(made_by, type) else type(made_by)
+            if kind in ours:
+                made.add(kind.__name__)
+
+    sys.setprofile(profile)
+    try:
+        forward()
+    finally:
+        sys.setprofile(None)
+    return made
+
+
+def test_a_forward_makes_at_most_eight_data_types():
+    """A decoded token and a prompt forward of a sliding model with sinks and the block memory (every room of the
+    reading path at work) each make at most 8 of the reading path's data types, a choice of blocks included."""
+    import torch
+
+    from modeling_lex import LexCache
+    from tests.helpers import perturbed_model, prompt, tiny_config
+
+    config = tiny_config(attention_mode="sliding", attention_sinks=2, attention_sink_positions="cache",
+                         attention_memory_blocks=3, attention_memory_block_size=4, position_embedding_type="rope")
+    model = perturbed_model(config)
+    cache = LexCache(config)
+    ids = prompt(1, 48)
+    with torch.no_grad():
+        model(ids[:, :40], cache=cache)
+        for step in range(40, 48):  # (a block completes in these: a decoded token that chooses among them)
+            made = made_per_forward(lambda: model(ids[:, step : step + 1], cache=cache))
+            assert len(made) <= 8, sorted(made)
+        made = made_per_forward(lambda: model(prompt(1, 8, seed=2), cache=cache))
+    assert "Choice" in made and len(made) <= 8, sorted(made)
