@@ -140,12 +140,18 @@ def test_concurrent_clients_equal_lone_generate(served, reading):
                                                       temperature=0)
             results[index] = ("completion", text, answer.choices[0].text, answer.usage)
 
+    before = server.health()
     threads = [threading.Thread(target=client, args=(i,)) for i in range(len(lengths))]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    assert server.health()["largest_batch"] >= 5  # (more than the first four: a later one joined them)
+    after = server.health()
+    assert after["largest_batch"] >= 5  # (more than the first four: a later one joined them)
+    # each answer's first token comes from its prompt's read, the rest from decoding steps, which served several
+    decoded = after["decoded_tokens"] - before["decoded_tokens"]
+    assert decoded == sum(usage.completion_tokens - 1 for *_, usage in results.values())
+    assert after["decoding_steps"] - before["decoding_steps"] < decoded / 2
     for index, (kind, text, answer, usage) in sorted(results.items()):
         if kind == "chat":
             rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}],
