@@ -44,7 +44,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .memory import readable_blocks
-from .reading import AttentionContext, ReadingPolicy, find_sinks
+from .reading import AttentionContext, ReadingPolicy, find_sinks, locate_sinks
 
 
 @dataclass
@@ -248,8 +248,7 @@ class Stream:
             dropped=0 if self.unbounded else drop,
             memory=readable_blocks(self.policy, self.memory_valid, document_start[:, -1]) if self.memory else None,
         )
-        sink_source, sinks_after = self._refill_sink_slots(context, after.at(-1), seen,
-                                                           dropping=keep < available)
+        sink_source, sinks_after = self._refill_sink_slots(context, after.at(-1), dropping=keep < available)
         return ForwardRecord(
             context, None if self.unbounded else keep, sink_source,
             seen=seen,
@@ -284,7 +283,7 @@ class Stream:
     # ------------------------------------------------------------------------------------------------ sink slots
 
     def _refill_sink_slots(
-        self, context: AttentionContext, now: StreamState, seen: int | torch.Tensor, dropping: bool
+        self, context: AttentionContext, now: StreamState, dropping: bool
     ) -> tuple[torch.Tensor | None, dict]:
         """Point each sink slot at token (current document start + j): in the window part if it lies there, else
         the slot keeps what it holds. Returns where each slot's content comes from, as a column among the keys the
@@ -295,16 +294,13 @@ class Stream:
                      "sink_valid": self.sink_valid, "sink_slots": self.sink_slots}
         if sinks == 0 or not (sink_slots or dropping):
             return None, unchanged
-        wanted, column, in_window = find_sinks(now.start, sinks, context.key_index)  # (B, S) each
-        exists = in_window & (wanted < seen)
-        slot = torch.arange(sinks, device=column.device)
-        kept = (self.sink_index == wanted) & self.sink_valid
-        positions = torch.where(in_window, context.key_positions.gather(1, column), self.sink_positions)
-        valid = torch.where(in_window, exists & context.key_valid.gather(1, column), kept)
+        # (where each sink lies after the forward: where attention finds it, `locate_sinks`)
+        columns, wanted, positions, valid = locate_sinks(self.policy, context, now.start)  # (B, S) each
         metadata = {"sink_index": wanted, "sink_positions": positions, "sink_valid": valid, "sink_slots": sinks}
-        if sink_slots == sinks and not self.static and not torch.compiler.is_compiling() and not bool(in_window.any()):
+        if (sink_slots == sinks and not self.static and not torch.compiler.is_compiling()
+                and not bool((columns >= sink_slots).any())):  # (columns past the slots: in the window part)
             return None, metadata  # every slot keeps what it holds (each decoding step once the window has moved on)
-        return torch.where(in_window, sink_slots + column, slot.clamp(max=max(sink_slots - 1, 0))), metadata
+        return columns, metadata
 
     # ------------------------------------------------------------------------------------------------ keep policy
 
@@ -344,9 +340,9 @@ class Stream:
         held = AttentionContext(
             query_positions=None, key_positions=self.positions, key_valid=self.valid, query_index=None,
             key_index=self.index, document_start=None, sink_index=self.sink_index[:, : self.sink_slots],
-            sink_positions=None, sink_valid=None,
+            sink_positions=self.sink_positions[:, : self.sink_slots], sink_valid=self.sink_valid[:, : self.sink_slots],
         )
-        sink_source, sinks_after = self._refill_sink_slots(held, self.state, self.seen, dropping=drop > 0)
+        sink_source, sinks_after = self._refill_sink_slots(held, self.state, dropping=drop > 0)
         self.sink_index, self.sink_positions = sinks_after["sink_index"], sinks_after["sink_positions"]
         self.sink_valid, self.sink_slots = sinks_after["sink_valid"], sinks_after["sink_slots"]
         if drop > 0:
