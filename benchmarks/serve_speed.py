@@ -168,10 +168,12 @@ def concurrency(args, tokenizer) -> dict:
     for label, row in rows.items():
         print(f"| {label} | {row['engine decoding tokens/s']:.1f} | {row['client decoding tokens/s']:.1f} | "
               f"{row['latency p50 s']:.1f} s | {row['latency p95 s']:.1f} s | {row['first token p50 s']:.1f} s |")
-    print(f"ratio (concurrency {args.clients} / 1): engine {many['engine decoding tokens/s'] / one['engine decoding tokens/s']:.2f}x, "
-          f"client {many['client decoding tokens/s'] / one['client decoding tokens/s']:.2f}x; "
-          f"largest batch {many['largest batch']}, mean {many['mean batch']:.2f}; a step {one['seconds a step'] * 1000:.0f} "
-          f"ms at concurrency 1, {many['seconds a step'] * 1000:.0f} ms at {args.clients}; {same} of {len(prompts)} answers the same at both")
+    engine = many["engine decoding tokens/s"] / one["engine decoding tokens/s"]
+    client = many["client decoding tokens/s"] / one["client decoding tokens/s"]
+    print(f"ratio (concurrency {args.clients} / 1): engine {engine:.2f}x, client {client:.2f}x; largest batch "
+          f"{many['largest batch']}, mean {many['mean batch']:.2f}; a step {one['seconds a step'] * 1000:.0f} ms at "
+          f"concurrency 1, {many['seconds a step'] * 1000:.0f} ms at {args.clients}; {same} of {len(prompts)} "
+          "answers the same at both")
     for row in rows.values():
         row.pop("texts")
     return {"concurrency": rows, "same answers": same}

@@ -143,7 +143,7 @@ def identity(model) -> dict:
 def _cache_parts(cache: LexCache) -> tuple[dict[str, torch.Tensor], dict, dict[int, tuple]]:
     """What a LexCache holds between forwards: its small tensors by name, its ints (JSON), and each memory layer's store
     (keys, values, tokens held) apart, since it grows with the document."""
-    if cache.stream.record_past or any(layer._request is not None for layer in cache.layers):
+    if cache.stream.record_past or any(layer.forward_open for layer in cache.layers):
         raise ValueError("a document state is taken between forwards from a cache that is not recording the past")
     tensors, layers, stores = {}, [], {}
     stream = cache.stream

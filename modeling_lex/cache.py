@@ -14,7 +14,7 @@ followed by its window part; between forwards that is at most
 The bookkeeping (documents, positions, what to keep, rollback) is `stream.Stream`'s: each forward's record
 (stream.py) says what the layers keep, by the reading policy's rules. A cache's state changes in one place: a
 forward runs its layers inside `with cache.step(record):`, where each layer's `update(key, value, layer_idx,
-request)` returns what attention reads (its span) and changes nothing held, and when the block ends every layer
+plan)` returns what attention reads (its span) and changes nothing held, and when the block ends every layer
 keeps what the record says (the keys it evicts go to its block memory, memory.py, with the choice the layer's
 attention recalled from it) and the stream moves on; if the forward raises, every layer and memory drops what it
 read. So a forward that raises leaves the cache as it was, and reading `keys`/`values` changes nothing. No query
@@ -71,9 +71,9 @@ class LexCacheLayer(DynamicLayer):
     A forward's `update` writes the new keys after the window part, in place where DynamicLayer's torch.cat copies
     every held key at every step, and returns the sink slots, the window part and the new keys as one contiguous
     span for attention to read (with room after it that a decoding step with the block memory may write: the
-    request's `memory_room`). That changes nothing held: `commit` does, with the record's sink slots and last
+    plan's `memory_room`). That changes nothing held: `commit` does, with the record's sink slots and last
     `keep` window keys. A decoding step that sees its sinks in the cache's frame (RoPE) turns them in the buffer's
-    copy of the sink slots, which the request lends it (`sinks_lent`; attention writes nothing else the cache
+    copy of the sink slots, which the plan has it lend (`sinks_lent`; attention writes nothing else the cache
     returned); the slots' raw contents are kept apart (`_sinks`) and written back when the forward's step ends
     (commit or discard), and until then `keys` reads them from there. Under autograd the buffers are never written
     in place.
@@ -86,7 +86,7 @@ class LexCacheLayer(DynamicLayer):
         self._sinks: list[torch.Tensor | None] = [None, None]  # raw keys, values of the sink slots (B, H, S, d)
         self._joined: list[torch.Tensor | None] = [None, None]  # under autograd: the window part and the new keys
         self.memory = memory
-        self._request: AttentionPlan | None = None  # the forward's plan, between update and commit
+        self._plan: AttentionPlan | None = None  # the forward's, between update and commit
         super().__init__()
 
     @property
@@ -109,10 +109,15 @@ class LexCacheLayer(DynamicLayer):
         sinks = self._sinks[which]
         return 0 if sinks is None else sinks.shape[2]
 
+    @property
+    def forward_open(self) -> bool:
+        """Whether a forward's step is open (between `update` and its commit or discard)."""
+        return self._plan is not None
+
     def _front_lent(self, which: int) -> bool:
         """Whether the buffer's copy of the sink slots is lent to attention, which turns it: the sink keys, in a
         forward that reads them in the cache's frame (between `update` and the step's end)."""
-        return which == 0 and self._request is not None and self._request.sinks_lent
+        return which == 0 and self._plan is not None and self._plan.sinks_lent
 
     def _held(self, which: int) -> torch.Tensor | None:
         """The sink slots followed by the window part, raw (a view of the buffer, a new tensor while rotated)."""
@@ -140,14 +145,14 @@ class LexCacheLayer(DynamicLayer):
         return 0 if span is None else span[2] - span[1] + self._slots(0)
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, request: AttentionPlan | None
+        self, key_states: torch.Tensor, value_states: torch.Tensor, plan: AttentionPlan | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sink slots, the window part and the new keys (and values), as attention reads them; `request`: the
-        forward's plan (what it lends; None: nothing)."""
+        """The sink slots, the window part and the new keys (and values), as attention reads them; `plan`: the
+        forward's (what the cache lends it; None: nothing)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self._request = request
-        room = 0 if request is None else request.memory_room
+        self._plan = plan
+        room = 0 if plan is None else plan.memory_room
         return self._span(0, key_states, room), self._span(1, value_states, room)
 
     def _span(self, which: int, new: torch.Tensor, lent: int) -> torch.Tensor:
@@ -180,7 +185,7 @@ class LexCacheLayer(DynamicLayer):
         memory, returns the keys and values the window part drops, for the memory (`OpenStep.close`)."""
         if not self.is_initialized:
             return None
-        request = self._request
+        plan = self._plan
         evicted = []
         for which in (0, 1):
             joined, self._joined[which] = self._joined[which], None
@@ -198,10 +203,10 @@ class LexCacheLayer(DynamicLayer):
             first = begin if record.keep is None else end - record.keep
             rewrite = record.sink_source is not None or first != begin or self._front_lent(which)
             self._hold(which, buffer, first, end, sinks, rewrite)
-        self._request = None
+        self._plan = None
         if self.memory is None:
             return None
-        return Evicted(*evicted, None if request is None else request.memory_unrotate)
+        return Evicted(*evicted, None if plan is None else plan.memory_unrotate)
 
     def _hold(self, which: int, buffer: torch.Tensor, first: int, end: int, sinks: torch.Tensor | None,
               rewrite: bool) -> None:
@@ -229,7 +234,7 @@ class LexCacheLayer(DynamicLayer):
         if self._front_lent(0) and self._joined[0] is None:
             buffer, begin, _ = self._window[0]
             buffer[:, :, begin - self._slots(0) : begin] = self._sinks[0]
-        self._joined, self._request = [None, None], None
+        self._joined, self._plan = [None, None], None
 
     def keep_window(self, keep: int, sink_source: torch.Tensor | None = None) -> None:
         """Hold only the last `keep` keys of the window part (a crop), the sink slots taken from `sink_source`
@@ -275,7 +280,8 @@ class LexCacheSteps:
     @contextlib.contextmanager
     def step(self, record: ForwardRecord) -> Iterator[None]:
         """Run one forward's layers inside: when the block ends every layer holds what `record` says and the stream
-        moves to the record's metadata after the forward; if it raises, every layer drops what it read and the cache is as it was."""
+        moves to the record's metadata after the forward; if it raises, every layer drops what it read and the
+        cache is as it was."""
         self._open(record)
         try:
             yield
@@ -289,10 +295,10 @@ class LexCacheSteps:
         self._close(record, evicted)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-               request: AttentionPlan | None = None, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        """What layer `layer_idx` of the forward open now attends to, for the plan's `request`: the keys and values
+               plan: AttentionPlan | None = None, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """What layer `layer_idx` of the forward open now attends to, for the forward's `plan`: the keys and values
         of its span (sink slots first, the new ones last). What the layer holds changes when the step ends."""
-        return self.layers[layer_idx].update(key_states, value_states, request)
+        return self.layers[layer_idx].update(key_states, value_states, plan)
 
     def _open(self, record: ForwardRecord) -> None:
         """What the cache keeps for the length of one forward (nothing, but for the block memory's evidence)."""
@@ -485,13 +491,13 @@ class LexStaticLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, request: AttentionPlan | None
+        self, key_states: torch.Tensor, value_states: torch.Tensor, plan: AttentionPlan | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The slots followed by the new keys (and values), as new tensors; the slots are written at `commit`."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._joined = torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
-        lent = request is not None and request.sinks_lent
+        lent = plan is not None and plan.sinks_lent
         self._raw_sinks = self.keys[:, :, : self.sink_slots].clone() if lent else None
         return self._joined
 

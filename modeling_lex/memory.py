@@ -13,8 +13,9 @@ keys of largest norm). Each layer with a memory (every layer but Gemma's local o
 (`MemoryRead.candidates`) for the forward's choosing queries (`choosing_queries`), adds the score to the forward's
 evidence (the layers below it, and what the last forward that chose found) and reads the blocks `choose_blocks`
 picks by it, in the slots `placed` orders. What the forward may read and its evidence are shared by its layers
-through the cache's `OpenStep`, opened when the forward's step opens; attention asks the layer's memory for its blocks (`recall`), and a choice, like everything a
-forward reads, is held only when the forward commits (`commit`; `discard` if it raised).
+through the cache's `OpenStep`, opened when the forward's step opens; attention asks the layer's memory for its
+blocks (`recall`), and a choice, like everything a forward reads, is held only when the forward commits (`commit`;
+`discard` if it raised).
 
 The store grows with the document by its keys' and values' bytes (the model's dtype) plus the representatives (a
 quarter of each block's keys); attention per token stays O(S + k*b + w), and choosing reads the representatives of
@@ -224,6 +225,9 @@ class OpenStep:
     when the step ends, for every layer's memory at once."""
 
     read: MemoryRead | None = None
+    carried: torch.Tensor  # (B, blocks): what the last forward that chose found (set by `open`)
+    total: torch.Tensor  # (B, blocks): the evidence so far
+    layers_scored: int
 
     def open(self, read: MemoryRead | None, found: torch.Tensor | None) -> None:
         """A forward that reads the memory (`read`; None: it reads nothing) starts its evidence from what the last

@@ -130,7 +130,7 @@ class ReadingPolicy:
         window, what a cache keeps for the next query (`most_reach`), the static cache's slots and a chunk's reach
         all ask it."""
         if self.mode == "sliding":
-            return 0 * offset + self.window - 1
+            return 0 * offset + self.window - 1  # (an int for an int, a tensor of offsets' shape for a tensor)
         if self.mode == "blockwise":
             return self.block + offset % self.block
         return offset
@@ -165,9 +165,9 @@ class ReadingPolicy:
 
         "true": at their own positions (None: no frame of their own). "cache" (StreamingLLM): in a frame where the
         query's window starts at 0, sink j sits at j - S, just before it (just before the block memory's k * b_m
-        places, if any, `memory_frame`: at j - S - k * b_m), and the query at its offset in its window: returns the query's place (the shape
-        of q_index and start broadcast) and the sinks' places (S,), so sink j is seen at distance offset + S - j
-        (+ k * b_m), never more than S + k * b_m + w.
+        places, if any, `memory_frame`: at j - S - k * b_m), and the query at its offset in its window: returns the
+        query's place (the shape of q_index and start broadcast) and the sinks' places (S,), so sink j is seen at
+        distance offset + S - j (+ k * b_m), never more than S + k * b_m + w.
         """
         if self.sink_positions == "true":
             return None

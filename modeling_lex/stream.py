@@ -31,8 +31,8 @@ Shared terms (stream.py, cache.py, reading.py and kernels.py use each in this se
   part among the keys it returns. `sink_slots`: how many a cache has now (a LexCache none before its first dropped
   key, a LexStaticCache from the start; none where a cache never drops a key).
 - record: a `ForwardRecord`; `keep`: how many window keys the cache holds after the forward.
-- context: an `AttentionContext` (reading.py), what a forward reads; request: the forward's `AttentionPlan`, which
-  a layer hands the cache with its keys (what the cache lends the step).
+- context: an `AttentionContext` (reading.py), what a forward reads; plan: the forward's `AttentionPlan`, which a
+  layer hands the cache with its keys (what the cache lends the step).
 - evicted: window keys a cache has dropped for good (stream indices 0 ... E - 1 of the row). With a block memory
   (`attention_memory_blocks`, memory.py) the cache keeps them in blocks; `memory`: what one forward reads there.
 """
