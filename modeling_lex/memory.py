@@ -40,28 +40,6 @@ from .kernels import apply_rotary
 from .reading import MemoryRead, ReadingPolicy
 
 
-def readable_blocks(policy: ReadingPolicy, evicted_valid: torch.Tensor, document: torch.Tensor
-                    ) -> MemoryRead | None:
-    """What a forward reads of the block memory, from whether each evicted token is real (`evicted_valid` (B, E)):
-    the complete blocks, all real and after the sinks of the document of the forward's last query (which starts at
-    `document`, (B,)), and the slots they fill; None where no row has a candidate. Only the slots some row fills
-    are read (the last of the k: the empty ones come first, and a slot no row fills adds nothing to attention), so
-    a document with fewer than k blocks past its window is not attended over k of them."""
-    slots, block, sinks = policy.memory_blocks, policy.memory_block_size, policy.sinks
-    blocks = evicted_valid.shape[1] // block
-    if blocks == 0:
-        return None
-    real = evicted_valid[:, : blocks * block].unflatten(1, (blocks, block)).all(-1)
-    first = torch.arange(blocks, device=document.device) * block
-    candidates = real & (first[None, :] >= document[:, None] + sinks)
-    count = candidates.sum(1).clamp(max=slots)
-    slots = int(count.max())
-    if slots == 0:
-        return None
-    filled = torch.arange(slots, device=document.device)[None, :] >= slots - count[:, None]
-    return MemoryRead(candidates, filled.repeat_interleave(block, dim=1), document)
-
-
 def _allocate(like: torch.Tensor, shape: tuple[int, ...], directory: str | None) -> torch.Tensor:
     """An uninitialised tensor of `shape` like `like`: in RAM, or memory-mapped from a file in `directory`."""
     if directory is None:
@@ -412,5 +390,5 @@ class BlockMemory:
 
 __all__ = [
     "BlockMemory", "Choice", "Evicted", "OpenStep", "block_representatives", "block_scores", "choose_blocks",
-    "choosing_queries", "placed", "readable_blocks",
+    "choosing_queries", "placed",
 ]

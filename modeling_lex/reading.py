@@ -143,11 +143,18 @@ class ReadingPolicy:
             allowed = allowed & (k_index >= self.window_first(q_index, start))  # (no (T, K) difference of indices)
         return allowed
 
+    def sink_indices(self, start: torch.Tensor) -> torch.Tensor:
+        """The sink rule, stated here alone: which tokens are the attention sinks of a document starting at stream
+        index `start`, its first S (stream indices, start.shape + (S,)). Who sees a sink (`seen_as_sink`), where a
+        cache finds and keeps them (`find_sinks`) and where the block memory's candidates begin (after them:
+        `readable_blocks`) ask it."""
+        return start[..., None] + torch.arange(self.sinks, device=start.device)
+
     def seen_as_sink(self, q_index: torch.Tensor, k_index: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-        """The sink rule: whether the query sees the key as an attention sink, i.e. the key is one of the first S
-        tokens of the query's document, before the query, and not shown by the query's window."""
-        first = (k_index >= start) & (k_index < start + self.sinks) & (k_index <= q_index)
-        return first & ~self.visible(q_index, k_index, start)
+        """Whether the query sees the key as an attention sink: one of its document's sinks (`sink_indices`),
+        before the query, and not shown by the query's window."""
+        sink = (k_index[..., None] == self.sink_indices(start)).any(-1)
+        return sink & (k_index <= q_index) & ~self.visible(q_index, k_index, start)
 
     def window_first(self, q_index: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
         """Stream index of the first key the query's window shows (shapes broadcast): `window_reach` keys before
@@ -222,13 +229,12 @@ def memory_places(count: int, device: torch.device) -> torch.Tensor:
     return torch.arange(-count, 0, device=device)
 
 
-def find_sinks(start: torch.Tensor, sinks: int, key_index: torch.Tensor
+def find_sinks(policy: ReadingPolicy, start: torch.Tensor, key_index: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Where the sinks of documents starting at `start` are: their stream indices (the first `sinks` tokens of each
-    document, `start.shape + (sinks,)`), their columns among the window part's keys (consecutive stream indices
-    `key_index`; clamped into range) and whether they lie there at all, or before it (then in a cache's sink
-    slots)."""
-    wanted = start[..., None] + torch.arange(sinks, device=start.device)
+    """Where the sinks of documents starting at `start` are: their stream indices (`ReadingPolicy.sink_indices`,
+    `start.shape + (S,)`), their columns among the window part's keys (consecutive stream indices `key_index`;
+    clamped into range) and whether they lie there at all, or before it (then in a cache's sink slots)."""
+    wanted = policy.sink_indices(start)
     column = wanted - key_index[0]
     return wanted, column.clamp(0, key_index.shape[0] - 1), column >= 0
 
@@ -261,6 +267,29 @@ class MemoryRead:
     token_valid: torch.Tensor  # (B, n * block) bool: the slot holds a block (a row's last min(k, candidates) of the
     # n <= k slots read: as many as the row with most candidates fills)
     document: torch.Tensor  # (B,) stream index where the last query's document starts: its queries read the memory
+
+
+def readable_blocks(policy: ReadingPolicy, evicted_valid: torch.Tensor, document: torch.Tensor
+                    ) -> MemoryRead | None:
+    """What a forward reads of the block memory, from whether each evicted token is real (`evicted_valid` (B, E)):
+    the complete blocks, all real and after the sinks of the document of the forward's last query (which starts at
+    `document`, (B,)), and the slots they fill; None where no row has a candidate. Only the slots some row fills
+    are read (the last of the k: the empty ones come first, and a slot no row fills adds nothing to attention), so
+    a document with fewer than k blocks past its window is not attended over k of them."""
+    slots, block = policy.memory_blocks, policy.memory_block_size
+    blocks = evicted_valid.shape[1] // block
+    if blocks == 0:
+        return None
+    real = evicted_valid[:, : blocks * block].unflatten(1, (blocks, block)).all(-1)
+    first = torch.arange(blocks, device=document.device) * block
+    after = torch.cat([document[:, None], policy.sink_indices(document) + 1], 1).amax(1)  # (the document's, past sinks)
+    candidates = real & (first[None, :] >= after[:, None])
+    count = candidates.sum(1).clamp(max=slots)
+    slots = int(count.max())
+    if slots == 0:
+        return None
+    filled = torch.arange(slots, device=document.device)[None, :] >= slots - count[:, None]
+    return MemoryRead(candidates, filled.repeat_interleave(block, dim=1), document)
 
 
 @dataclass(frozen=True)
@@ -379,7 +408,7 @@ def locate_sinks(policy: ReadingPolicy, ctx: AttentionContext, start: torch.Tens
     """The sink columns of documents starting at stream index `start` (B, ...): their columns among the keys the
     cache returns (sink slots first), stream indices, positions and validity, each `start.shape + (S,)`."""
     sinks, sink_slots = policy.sinks, ctx.sink_index.shape[1]
-    wanted, column, in_window = find_sinks(start, sinks, ctx.key_index)
+    wanted, column, in_window = find_sinks(policy, start, ctx.key_index)
     positions = _gather_rows(ctx.key_positions, column)
     valid = in_window & (wanted <= ctx.key_index[-1]) & _gather_rows(ctx.key_valid, column)
     columns = sink_slots + column
@@ -649,5 +678,5 @@ def _memory_rotations(policy: ReadingPolicy, position_method: PositionMethod, ct
 
 __all__ = [
     "AttentionContext", "AttentionPlan", "MemoryRead", "ReadingPolicy", "Tile", "build_plan",
-    "chunk_map", "find_sinks", "memory_places",
+    "chunk_map", "find_sinks", "memory_places", "readable_blocks",
 ]

@@ -97,18 +97,18 @@ def norm(sd, config, x, p):
     return torch.nn.functional.layer_norm(x, x.shape[-1:], sd[p + ".weight"], sd[p + ".bias"], config.layer_norm_eps)
 
 
-def visible(mode, window, n, pad, sinks=0):
+def visible(mode, window, n, pad, sinks=0, sink_skip=0):
     """n x n bool: may query i see key j (indices in a row whose first `pad` tokens are padding).
 
-    Sinks: in blockwise and sliding modes, the document's first `sinks` tokens are seen by every later query,
-    whatever the distance (at their true positions)."""
+    Sinks: in blockwise and sliding modes, the document's first `sinks` tokens (after its first `sink_skip`) are
+    seen by every later query, whatever the distance (at their true positions)."""
     allowed = torch.zeros(n, n, dtype=torch.bool)
     b = window // 2
     for i in range(n):
         for j in range(i + 1):
             if j < pad:
                 continue
-            if mode != "full" and j - pad < sinks:
+            if mode != "full" and sink_skip <= j - pad < sinks + sink_skip:
                 allowed[i, j] = True
                 continue
             if mode == "sliding" and i - j >= window:
@@ -121,24 +121,25 @@ def visible(mode, window, n, pad, sinks=0):
     return allowed
 
 
-def sinks_in_the_cache(config, n, pad, gap=0):
+def sinks_in_the_cache(config, n, pad, gap=0, skip=0):
     """attention_sink_positions="cache": [(query i, sink key j, the distance it is seen at)] for every sink a query
     sees outside its window, placed as StreamingLLM places them: just before the query's window (`gap` places
-    further)."""
+    further); the sinks are the document's first tokens after its first `skip`."""
     mode, window, sinks = config.attention_mode, config.attention_window, config.attention_sinks
     if mode == "full" or not sinks or getattr(config, "attention_sink_positions", "true") != "cache":
         return []
     b, pairs = window // 2, []
     for i in range(pad, n):
         first = max(pad, i - window + 1) if mode == "sliding" else max(pad, pad + ((i - pad) // b - 1) * b)
-        for j in range(pad, min(pad + sinks, first)):
-            pairs.append((i, j, gap + sinks + (i - first) - (j - pad)))
+        for j in range(pad + skip, min(pad + skip + sinks, first)):
+            pairs.append((i, j, gap + sinks + (i - first) - (j - pad - skip)))
     return pairs
 
 
-def forward(state, config, input_ids, pad=0, positions=None, maps=None, layer_scores=None, sink_gap=0):
+def forward(state, config, input_ids, pad=0, positions=None, maps=None, layer_scores=None, sink_gap=0, sink_skip=0):
     """Logits (n, vocab) of one row; the first `pad` tokens are padding (masked as keys). `sink_gap`: sinks in the
-    cache's frame sit that many places further from the window.
+    cache's frame sit that many places further from the window; `sink_skip`: the sinks are the document's first
+    tokens after its first `sink_skip`.
 
     `maps`: a list that receives each layer's attention weights (heads, n, n); `layer_scores`: one that receives each
     layer's pre-softmax scores (heads, n, n), position terms included, before the mask."""
@@ -160,8 +161,8 @@ def forward(state, config, input_ids, pad=0, positions=None, maps=None, layer_sc
         x = x + fairseq_sinusoidal(positions + config.absolute_position_offset, config.hidden_size)
     if config.layernorm_embedding:
         x = ln(x, "model.layernorm_embedding")
-    allowed = visible(config.attention_mode, config.attention_window, n, pad, config.attention_sinks)
-    placed_sinks = sinks_in_the_cache(config, n, pad, sink_gap)
+    allowed = visible(config.attention_mode, config.attention_window, n, pad, config.attention_sinks, sink_skip)
+    placed_sinks = sinks_in_the_cache(config, n, pad, sink_gap, sink_skip)
     alpha = (2 * config.num_hidden_layers) ** 0.25 if config.deepnorm else 1.0
     for layer in range(config.num_hidden_layers):
         p = f"model.layers.{layer}."
@@ -324,7 +325,7 @@ def chosen_blocks(summed: dict[int, float], slots: int) -> list[int]:
     return [j for run in runs for j in run]
 
 
-def memory_forward(state, config, input_ids, forwards, margins=None, gap=0):
+def memory_forward(state, config, input_ids, forwards, margins=None, gap=0, sink_skip=0):
     """Logits (n, vocab) of one row (one document from position 0, no padding) read as `forwards` (token counts,
     in order) through a cache with the block memory past the window (attention_memory_blocks = k, blocks of
     b = attention_memory_block_size) and S sinks at cache positions; the retrieval rule written out naively.
@@ -345,7 +346,8 @@ def memory_forward(state, config, input_ids, forwards, margins=None, gap=0):
     k*b + S - j. Supports xpos, rope, decay, alibi, none. `margins`: a list that receives, per forward and layer
     that chose among more than k blocks, the gap between the (k // 3)-th best score (k < 3: the best) and the next
     (a float32 model may choose otherwise where it is tiny). `gap`: the memory's slots and the sinks before them sit
-    that many places further from the window (every distance above plus `gap`).
+    that many places further from the window (every distance above plus `gap`). `sink_skip`: the sinks are the
+    document's first S tokens after its first `sink_skip` (sink j: token sink_skip + j), the candidates after them.
 
     Gemma's architecture too: local layers (`local_layers`) slide over their own window with their own rope, see no
     sinks and no memory and add no score; scores are scaled by `attention_scaling` (the block scores too) and capped
@@ -404,7 +406,8 @@ def memory_forward(state, config, input_ids, forwards, margins=None, gap=0):
                 kv = head // group
                 seen = [(j, i - j) for j in range(first, i + 1)]  # (key, distance)
                 if not local:
-                    seen += [(j, offset + memory_places + gap + sinks - j) for j in range(min(sinks, first))]
+                    seen += [(j, offset + memory_places + gap + sinks - (j - sink_skip))
+                             for j in range(sink_skip, min(sinks + sink_skip, first))]
                     seen += [(j, offset + memory_places + gap - place) for j, place in memory]
                 index = torch.tensor([j for j, _ in seen])
                 at = i - torch.tensor([dist for _, dist in seen])
@@ -423,7 +426,7 @@ def memory_forward(state, config, input_ids, forwards, margins=None, gap=0):
     for a, count in zip(starts, forwards):
         rows = slice(a, a + count)
         evicted = max(0, a - w + 1) if mode == "sliding" else max(0, (a // half - 1) * half)
-        candidates = [j for j in range(evicted // block) if j * block >= sinks]
+        candidates = [j for j in range(evicted // block) if j * block >= sinks + (sink_skip if sinks else 0)]
         last = a + count - 1
         summed = {j: carried.get(j, 0.0) for j in candidates}  # block -> carried + the layers' scores so far
         scored = 0  # layers that scored

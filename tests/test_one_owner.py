@@ -1,8 +1,9 @@
 """Each reading rule is written in one place and every consumer asks it: a rule changed there (monkeypatched) is
 followed by the tile, the caches, the stream, the block memory and generate(), and the model equals the float64
 reference built with the same change (tests/reference.py states the rules on its own). The rules: the window
-(`ReadingPolicy.window_reach`), the memory's frame (`reading.memory_places`), the sinks' placement
-(`ReadingPolicy.sink_frame`) and a position method's factors (`positions.rotary_factors`). A consumer that restates a
+(`ReadingPolicy.window_reach`), the memory's frame (`reading.memory_places`), which tokens are sinks
+(`ReadingPolicy.sink_indices`), the sinks' placement (`ReadingPolicy.sink_frame`) and a position method's factors
+(`positions.rotary_factors`). A consumer that restates a
 rule instead of asking its owner keeps the old rule and fails here."""
 
 import copy
@@ -73,6 +74,7 @@ def test_a_changed_window_rule_is_followed_everywhere(changed_window, sinks, pos
 
 
 GAP = 3  # the changed memory frame: the memory's places (and the sinks before them) this much further from the window
+SKIP = 2  # the changed sink rule: a document's sinks begin this many tokens into it
 
 
 @pytest.fixture
@@ -125,10 +127,17 @@ def test_a_changed_sink_placement_is_followed_everywhere(sinks_further, mode, me
     sinks seen where the changed rule places them, as the reference with the same gap."""
     config = tiny_config(attention_mode=mode, attention_sinks=3, attention_sink_positions="cache",
                          position_embedding_type=method, num_attention_heads=4)
+    followed_everywhere(config, sink_gap=sinks_further)
+
+
+def followed_everywhere(config, **change) -> LexCache:
+    """A long forward, a LexCache read in chunks then token by token, and generate() (LexCache and static) of a
+    perturbed model of `config`, each equal to `reference.forward` with `change` (which changes its numbers);
+    returns the LexCache."""
     model = perturbed_model(config)
     ids = prompt(1, 3 * W + 5)
     state = model.state_dict()
-    expected = reference.forward(state, config, ids[0], sink_gap=sinks_further)
+    expected = reference.forward(state, config, ids[0], **change)
     assert not torch.allclose(expected, reference.forward(state, config, ids[0]))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits[0].double(), expected, atol=1e-5, rtol=1e-5)
@@ -139,8 +148,43 @@ def test_a_changed_sink_placement_is_followed_everywhere(sinks_further, mode, me
     for implementation in (None, "static"):
         out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=PAD,
                              cache_implementation=implementation)
-        tokens = reference.forward(state, config, out[0, :-1], sink_gap=sinks_further)[ids.shape[1] - 1 :].argmax(-1)
+        tokens = reference.forward(state, config, out[0, :-1], **change)[ids.shape[1] - 1 :].argmax(-1)
         assert out[0, ids.shape[1] :].tolist() == tokens.tolist(), implementation
+    return cache
+
+
+@pytest.fixture
+def sinks_later(monkeypatch) -> int:
+    """`ReadingPolicy.sink_indices` changed in its one place: a document's sinks are its S tokens after its first
+    SKIP (as a model that keeps no sink for its BOS would read)."""
+
+    def changed(self, start):
+        return start[..., None] + SKIP + torch.arange(self.sinks, device=start.device)
+
+    monkeypatch.setattr(ReadingPolicy, "sink_indices", changed)
+    yield SKIP
+
+
+@pytest.mark.parametrize("mode,where", [("sliding", "true"), ("sliding", "cache"), ("blockwise", "cache")])
+def test_a_changed_sink_rule_is_followed_everywhere(sinks_later, mode, where):
+    """Which tokens are sinks, changed where it is stated: who sees them in a long forward, what a LexCache keeps
+    in its sink slots reading in chunks then token by token, generate() (LexCache and static), and where the block
+    memory's candidates begin, as the reference with the same rule."""
+    config = tiny_config(attention_mode=mode, attention_sinks=3, attention_sink_positions=where,
+                         position_embedding_type="rope", num_attention_heads=4)
+    cache = followed_everywhere(config, sink_skip=sinks_later)
+    assert cache.stream.sink_index[0].tolist() == [sinks_later + j for j in range(3)]
+    if where == "cache":  # the block memory: its candidates after the sinks, the sinks before its places
+        config = memory_config(position_embedding_type="rope", attention_mode=mode, attention_sinks=4)
+        model = perturbed_model(config)
+        ids = distinct_prompt(60, seed=1)
+        calls = [W, W - 3, 5, 1, 7] + [1] * 18
+        logits = read(model, ids, calls, LexCache(config))
+        expected = reference.memory_forward(model.state_dict(), config, ids[0], as_read(calls),
+                                            sink_skip=sinks_later)
+        assert not torch.allclose(expected, reference.memory_forward(model.state_dict(), config, ids[0],
+                                                                     as_read(calls)))
+        torch.testing.assert_close(logits.double(), expected, atol=2e-5, rtol=0)
 
 
 @pytest.fixture
