@@ -25,12 +25,15 @@ from .configuration_lex import (
     POSITION_EMBEDDING_TYPES,
     ROPE_TYPES,
     SINK_POSITIONS,
+    WINDOW_RULE,
     LexConfig,
+    is_window,
 )
 
 AutoConfig.register("lex", LexConfig, exist_ok=True)
 
 __all__ = [
     "ABSOLUTE_POSITION_EMBEDDINGS", "ATTENTION_MODES", "HF_MODEL_TYPES", "HIDDEN_ACTS", "MLP_TYPES", "NORM_TYPES",
-    "OLDEST_TORCH", "POSITION_EMBEDDING_TYPES", "ROPE_TYPES", "SINK_POSITIONS", "LexConfig",
+    "OLDEST_TORCH", "POSITION_EMBEDDING_TYPES", "ROPE_TYPES", "SINK_POSITIONS", "WINDOW_RULE", "LexConfig",
+    "is_window",
 ]

@@ -22,6 +22,7 @@ HIDDEN_ACTS, NORM_TYPES, MLP_TYPES, ROPE_TYPES, ABSOLUTE_POSITION_EMBEDDINGS and
 them; CLI choices and converters import those.
 """
 
+from numbers import Integral
 from typing import Literal, get_args
 
 from huggingface_hub.dataclasses import strict
@@ -57,6 +58,13 @@ ROPE_TYPES: tuple[str, ...] = get_args(RopeType)
 ABSOLUTE_POSITION_EMBEDDINGS: tuple[str | None, ...] = get_args(AbsolutePositionEmbedding)
 SINK_POSITIONS: tuple[str, ...] = get_args(SinkPositions)
 HF_MODEL_TYPES: tuple[str | None, ...] = get_args(HfModelType)
+WINDOW_RULE = "an even integer >= 4"  # what a window is (blockwise attention halves it into blocks of >= 2)
+
+
+def is_window(value: object) -> bool:
+    """Whether `value` is a window (attention_window, local_attention_window, a policy's or a source's): the rule
+    stated once, which every check of a window asks; each names its own field."""
+    return isinstance(value, Integral) and not isinstance(value, bool) and value >= 4 and value % 2 == 0
 
 # Field validators (the type is checked first, so these see numbers only; bools are refused as numbers).
 positive = interval(min=0, exclude_min=True)
@@ -271,8 +279,8 @@ class LexConfig(PreTrainedConfig):
                 f"{self.num_attention_heads} (each key/value head serves a group of query heads)"
             )
         window = self.attention_window
-        if window is None or window < 4 or window % 2:
-            raise ValueError(f"LexConfig.attention_window={window!r} must be an even integer >= 4")
+        if not is_window(window):
+            raise ValueError(f"LexConfig.attention_window={window!r} must be {WINDOW_RULE}")
         if self.attention_memory_blocks:
             if self.attention_mode == "full":
                 raise ValueError(
@@ -321,8 +329,8 @@ class LexConfig(PreTrainedConfig):
                     f"{self.num_hidden_layers}) or None"
                 )
             local = self.local_attention_window
-            if local is None or local < 4 or local % 2:
-                raise ValueError(f"LexConfig.local_attention_window={local!r} must be an even integer >= 4 with "
+            if not is_window(local):
+                raise ValueError(f"LexConfig.local_attention_window={local!r} must be {WINDOW_RULE} with "
                                  "local_layers")
         elif self.local_attention_window is not None or self.local_rope_parameters is not None:
             raise ValueError(
@@ -369,6 +377,7 @@ __all__ = [
     "POSITION_EMBEDDING_TYPES",
     "ROPE_TYPES",
     "SINK_POSITIONS",
+    "WINDOW_RULE",
     "AttentionMode",
     "HfModelType",
     "HiddenAct",
@@ -378,4 +387,5 @@ __all__ = [
     "PositionEmbeddingType",
     "RopeType",
     "SinkPositions",
+    "is_window",
 ]

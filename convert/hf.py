@@ -82,7 +82,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from transformers.utils import is_gguf_available
 from transformers.utils.hub import convert_file_size_to_int
 
-from configuration_lex import ATTENTION_MODES, HF_MODEL_TYPES, LexConfig
+from configuration_lex import ATTENTION_MODES, HF_MODEL_TYPES, WINDOW_RULE, LexConfig, is_window
 from lex_base.staging import atomic_directory
 from modeling_lex import LexForCausalLM
 from modeling_lex.positions import POSITION_METHODS
@@ -424,8 +424,8 @@ def lex_config_from_hf(
         raise ConversionError(f"position_embedding_type={position_embedding_type!r}: allowed for a {model_type} "
                               f"checkpoint: {', '.join(RETROFITS)}")
     window = source_window(hf_config, family)
-    if window is not None and (window < 4 or window % 2):
-        raise ConversionError(f"{model_type} sliding_window={window}: a LEX attention_window is an even integer >= 4")
+    if window is not None and not is_window(window):
+        raise ConversionError(f"{model_type} sliding_window={window}: a LEX attention_window is {WINDOW_RULE}")
     rope = source_rope(hf_config, family)
     activation = getattr(hf_config, family.activation_field)
     if activation not in HF_ACTIVATIONS:

@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from configuration_lex.configuration_lex import ATTENTION_MODES, SINK_POSITIONS, AttentionMode, SinkPositions
+from configuration_lex.configuration_lex import (ATTENTION_MODES, SINK_POSITIONS, WINDOW_RULE, AttentionMode, SinkPositions,
+                                                 is_window)
 
 from .positions import PositionMethod
 
@@ -82,8 +83,8 @@ class ReadingPolicy:
         if self.sink_positions not in SINK_POSITIONS:
             raise ValueError(f"ReadingPolicy.sink_positions={self.sink_positions!r} (allowed: "
                              f"{', '.join(SINK_POSITIONS)})")
-        if not isinstance(self.window, int) or self.window < 4 or self.window % 2:
-            raise ValueError(f"ReadingPolicy.window={self.window!r} must be an even integer >= 4")
+        if not is_window(self.window):
+            raise ValueError(f"ReadingPolicy.window={self.window!r} must be {WINDOW_RULE}")
         for name in ("sinks", "memory_blocks"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ReadingPolicy.{name}={getattr(self, name)!r} must be >= 0")
