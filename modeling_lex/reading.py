@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from configuration_lex.configuration_lex import (ATTENTION_MODES, SINK_POSITIONS, WINDOW_RULE, AttentionMode, SinkPositions,
-                                                 is_window)
+from configuration_lex.configuration_lex import (ATTENTION_MODES, SINK_POSITIONS, WINDOW_RULE, AttentionMode,
+                                                 SinkPositions, is_window)
 
 from .positions import PositionMethod
 
@@ -147,7 +147,7 @@ class ReadingPolicy:
     def sink_indices(self, start: torch.Tensor) -> torch.Tensor:
         """The sink rule, stated here alone: which tokens are the attention sinks of a document starting at stream
         index `start`, its first S (stream indices, start.shape + (S,)). Who sees a sink (`seen_as_sink`), where a
-        cache finds and keeps them (`find_sinks`) and where the block memory's candidates begin (after them:
+        cache finds and keeps them (`find_sinks`, a rollback) and where the block memory's candidates begin (after them:
         `readable_blocks`) ask it."""
         return start[..., None] + torch.arange(self.sinks, device=start.device)
 
@@ -283,7 +283,7 @@ def readable_blocks(policy: ReadingPolicy, evicted_valid: torch.Tensor, document
         return None
     real = evicted_valid[:, : blocks * block].unflatten(1, (blocks, block)).all(-1)
     first = torch.arange(blocks, device=document.device) * block
-    after = torch.cat([document[:, None], policy.sink_indices(document) + 1], 1).amax(1)  # (the document's, past sinks)
+    after = policy.sink_indices(document)[:, -1] + 1 if policy.sinks else document  # (past the last sink)
     candidates = real & (first[None, :] >= after[:, None])
     count = candidates.sum(1).clamp(max=slots)
     slots = int(count.max())

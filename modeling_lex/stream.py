@@ -43,7 +43,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 from transformers.cache_utils import Cache
 
-from .reading import AttentionContext, ReadingPolicy, find_sinks, locate_sinks, readable_blocks
+from .reading import AttentionContext, ReadingPolicy, locate_sinks, readable_blocks
 
 
 @dataclass
@@ -382,7 +382,7 @@ class Stream:
     def _roll_back_sinks(self, state: StreamState, target: int) -> None:
         """Sink slots after a rollback: tokens removed are gone; a document that began in the removed tokens gives
         its rows back their earlier document, whose sinks must still be held (in a slot or the window part)."""
-        wanted = find_sinks(self.policy, state.start, self.index if self.held else state.start.new_zeros(1))[0]
+        wanted = self.policy.sink_indices(state.start)
         oldest = int(self.index[0]) if self.held else self.seen
         lost = (wanted != self.sink_index) & (wanted < oldest) & (wanted < target)
         if bool(lost.any()):
